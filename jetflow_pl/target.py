@@ -1,0 +1,231 @@
+"""The frozen target model: one wrapper that every stage (regeneration, distillation, decoding) uses.
+
+It loads a Hugging Face causal LM from a local directory, freezes it, taps the outputs of chosen decoder
+layers with forward hooks (never asking HF for all hidden states) and computes logits only where a caller
+needs them, so a training step never materialises a `[batch, seq, vocab]` tensor by accident.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.cache_utils import Cache
+
+#: Architectures whose module layout (`model.layers`, `model.norm`, `model.embed_tokens`, `lm_head`) and
+#: cache semantics this wrapper has been checked against.
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
+
+LogitsPositions = torch.Tensor | Literal["all", "last"] | None
+
+
+@dataclass
+class TargetOutput:
+    """What one target forward returns.
+
+    logits: `[B, K, V]` at the requested positions (None when none were requested).
+    taps: `[B, T, n_taps * H]` outputs of the tapped decoder layers, concatenated in `tap_layer_ids` order
+        (None when the wrapper taps no layer).
+    cache: the (updated) HF KV cache, or None when `use_cache` was off.
+    hidden: `[B, T, H]` final-normed hidden states when `return_hidden=True`: the teacher's lm_head input.
+    """
+
+    logits: torch.Tensor | None
+    taps: torch.Tensor | None
+    cache: Cache | None
+    hidden: torch.Tensor | None = None
+
+
+def _read_config(path: Path) -> PretrainedConfig:
+    if not path.exists():
+        raise FileNotFoundError(f"target model path does not exist: {path}")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} is not a Hugging Face model directory: it has no config.json")
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as err:
+        raise ValueError(f"cannot read the model config in {path}: {err}") from err
+
+
+def check_supported(config: PretrainedConfig, where: str = "target") -> None:
+    """Reject architectures this wrapper does not know, with one clear message."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"unsupported {where} architecture {model_type!r}: jetflow_pl supports causal LMs of type "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{where} is an encoder-decoder model; a decoder-only causal LM is required")
+
+
+class TargetModel(nn.Module):
+    """A frozen causal LM with decoder-layer taps and logits only where asked for.
+
+    Tap id `i` is HF's `output_hidden_states[i + 1]`: the output of decoder layer `i`, except for the last
+    layer, whose HF entry is the final-normed hidden state.
+
+    The wrapped model stays in eval mode with `requires_grad=False` on every parameter; `train()` calls on
+    a parent module cannot switch it back to training mode.
+    """
+
+    def __init__(self, model: PreTrainedModel, tap_layer_ids: Sequence[int] = ()) -> None:
+        super().__init__()
+        check_supported(model.config)
+        self.model = model
+        self.model.eval()
+        self.model.requires_grad_(False)
+        decoder = model.model
+        self.layers: nn.ModuleList = decoder.layers
+        self.embed_tokens: nn.Embedding = decoder.embed_tokens
+        self.final_norm: nn.Module = decoder.norm
+        self.lm_head: nn.Linear = model.lm_head
+        self.tap_layer_ids: tuple[int, ...] = ()
+        self._tapped: dict[int, torch.Tensor] = {}
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self.set_taps(tap_layer_ids)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        tap_layer_ids: Sequence[int] = (),
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> TargetModel:
+        """Load a local HF causal LM (safetensors, no remote code) as a frozen target."""
+        path = Path(path)
+        config = _read_config(path)
+        check_supported(config)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, local_files_only=True, trust_remote_code=False, use_safetensors=True
+        )
+        return cls(model.to(device), tap_layer_ids)
+
+    def set_taps(self, tap_layer_ids: Sequence[int]) -> None:
+        """(Re)register forward hooks on the decoder layers to tap."""
+        ids = tuple(int(i) for i in tap_layer_ids)
+        for i in ids:
+            if not 0 <= i < self.num_layers:
+                raise ValueError(
+                    f"target layer id {i} is out of range: the target has {self.num_layers} decoder "
+                    f"layers (valid ids 0..{self.num_layers - 1})"
+                )
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"target layer ids must be distinct, got {list(ids)}")
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = [self.layers[i].register_forward_hook(self._make_hook(i)) for i in ids]
+        self.tap_layer_ids = ids
+
+    def _make_hook(self, layer_id: int):
+        def hook(_module: nn.Module, _args, output) -> None:
+            self._tapped[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def config(self) -> PretrainedConfig:
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.lm_head.out_features)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def train(self, mode: bool = True) -> TargetModel:  # noqa: ARG002 - frozen by design
+        """The target is frozen: it stays in eval mode whatever a parent module asks."""
+        return super().train(False)
+
+    def check_tokenizer(self, tokenizer) -> None:
+        """Fail clearly when a tokenizer can produce ids the model has no embedding row for."""
+        n = len(tokenizer)
+        if n > self.vocab_size:
+            raise ValueError(
+                f"tokenizer has {n} tokens but the target's vocabulary holds {self.vocab_size}: "
+                "the tokenizer does not belong to this model"
+            )
+
+    # ------------------------------------------------------------------ compute
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Apply the target's lm_head to final-normed hidden states (the teacher and draft logits)."""
+        return self.lm_head(hidden)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        logits_positions: LogitsPositions = "all",
+        return_hidden: bool = False,
+        use_cache: bool = True,
+    ) -> TargetOutput:
+        """Run the decoder once.
+
+        attention_mask: a 2D padding mask, or a 4D additive mask `[B, 1, T, past + T]` (tree verify).
+        logits_positions: "all", "last", None (no logits) or indices into the T new positions,
+            shape `[K]` (same for every row) or `[B, K]`.
+        """
+        self._tapped.clear()
+        out = self.model.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+        )
+        hidden = out.last_hidden_state
+        taps = None
+        if self.tap_layer_ids:
+            # HF's `hidden_states[L]` (the last layer) is the final-normed output; match it exactly so
+            # tap ids mean the same thing here as in DFlash/JetSpec checkpoints.
+            last = self.num_layers - 1
+            taps = torch.cat([hidden if i == last else self._tapped[i] for i in self.tap_layer_ids], dim=-1)
+        self._tapped.clear()
+        logits = None
+        if logits_positions is not None:
+            logits = self.lm_head(select_positions(hidden, logits_positions))
+        return TargetOutput(
+            logits=logits,
+            taps=taps,
+            cache=out.cache if use_cache else None,
+            hidden=hidden if return_hidden else None,
+        )
+
+
+def select_positions(hidden: torch.Tensor, positions: torch.Tensor | Literal["all", "last"]) -> torch.Tensor:
+    """Gather `[B, K, H]` rows from `[B, T, H]` by "all", "last", `[K]` or `[B, K]` indices."""
+    if isinstance(positions, str):
+        if positions == "all":
+            return hidden
+        if positions == "last":
+            return hidden[:, -1:]
+        raise ValueError(f"logits_positions must be 'all', 'last', None or a tensor, got {positions!r}")
+    idx = positions.to(hidden.device, torch.long)
+    if idx.dim() == 1:
+        return hidden[:, idx]
+    return torch.gather(hidden, 1, idx.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))

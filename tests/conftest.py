@@ -1,0 +1,25 @@
+"""Shared fixtures: real tiny models saved to real directories (built in seconds, seeded)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_VOCAB = 96
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-init `tiny` Qwen3 target on disk (the toy world's `tiny` preset)."""
+    from data_gen.toy.target_trainer import build_tiny_target
+
+    out = tmp_path_factory.mktemp("tiny_target")
+    build_tiny_target(out, vocab_size=TINY_VOCAB, seed=0)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
