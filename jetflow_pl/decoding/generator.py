@@ -1,0 +1,143 @@
+"""The one decode loop: draft a tree, verify it in one target pass, accept, commit, repeat.
+
+`SpeculativeGenerator` runs over any `DecodeBackend`. With `budget=0` the tree is the root alone, which
+is exactly autoregressive decoding on the same backend and cache code: `ARGenerator` is that baseline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from jetflow_pl.decoding.backend import DecodeBackend
+from jetflow_pl.decoding.sampling import SamplingConfig, choose_token, processed_probs
+from jetflow_pl.tree import DraftTree, FanoutPolicy, accept_greedy, accept_sampling, build_tree
+
+
+@dataclass
+class GenerationResult:
+    """Tokens and the metrics of DESIGN.md section 4 for one sequence.
+
+    accept_lengths: tokens committed per target verify forward (accepted drafts + 1), one per round.
+    decode_seconds excludes the prefill; the first new token comes from the prefill logits.
+    """
+
+    tokens: list[int]
+    accept_lengths: list[int] = field(default_factory=list)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    finish_reason: str = "length"
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.accept_lengths)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per verify forward (0 when no round ran)."""
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens produced by the decode rounds per second (prefill and its token excluded)."""
+        n = max(len(self.tokens) - 1, 0)
+        return n / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+class SpeculativeGenerator:
+    """Lossless tree speculative decoding for one sequence at a time.
+
+    budget: draft tokens per tree (root excluded); 0 means plain autoregressive decoding.
+    width: children per expanded node (1 = a chain); `policy` may cap it per depth.
+    """
+
+    def __init__(
+        self,
+        backend: DecodeBackend,
+        budget: int = 64,
+        width: int = 4,
+        policy: FanoutPolicy | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+    ) -> None:
+        if budget < 0:
+            raise ValueError(f"budget must be >= 0, got {budget}")
+        if width < 1:
+            raise ValueError(f"width must be >= 1, got {width}")
+        if budget > 0 and backend.block_size < 2:
+            raise ValueError("a draft budget needs a backend with a draft head (block_size >= 2)")
+        self.backend = backend
+        self.budget = budget
+        self.width = width
+        self.policy = policy
+        if eos_token_id is None:
+            self.eos_ids: frozenset[int] = frozenset()
+        elif isinstance(eos_token_id, int):
+            self.eos_ids = frozenset({eos_token_id})
+        else:
+            self.eos_ids = frozenset(int(t) for t in eos_token_id)
+
+    def _next_tree(self, anchor: int) -> DraftTree:
+        if self.budget == 0:
+            return DraftTree.chain([anchor])
+        depth_logprobs = self.backend.draft(anchor)
+        return build_tree(depth_logprobs, anchor, self.budget, self.width, self.policy)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: Sequence[int] | torch.Tensor,
+        max_new_tokens: int,
+        sampling: SamplingConfig | None = None,
+    ) -> GenerationResult:
+        """Generate up to `max_new_tokens` tokens after `prompt_ids` (stops after an EOS token)."""
+        sampling = sampling or SamplingConfig()
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
+        if prompt.numel() == 0:
+            raise ValueError("prompt is empty: at least one token is needed to start decoding")
+        limit = self.backend.max_positions
+        if prompt.numel() + max_new_tokens > limit:
+            raise ValueError(
+                f"prompt ({prompt.numel()} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                f"target's context limit of {limit} positions"
+            )
+        if max_new_tokens == 0:
+            return GenerationResult(tokens=[])
+        gen = None if sampling.greedy else sampling.make_generator()
+
+        t0 = time.perf_counter()
+        logits = self.backend.prefill(prompt)
+        token = choose_token(logits, sampling, gen)
+        t1 = time.perf_counter()
+        result = GenerationResult(tokens=[token], prefill_seconds=t1 - t0)
+        if token in self.eos_ids:
+            result.finish_reason = "eos"
+        while result.finish_reason != "eos" and len(result.tokens) < max_new_tokens:
+            tree = self._next_tree(token)
+            logits = self.backend.verify(tree)
+            if sampling.greedy:
+                accepted, token = accept_greedy(tree, logits.argmax(dim=-1))
+            else:
+                accepted, token = accept_sampling(tree, processed_probs(logits, sampling), gen)
+            self.backend.commit(accepted)
+            result.accept_lengths.append(len(accepted))
+            for new in [*tree.tokens[accepted[1:]].tolist(), token]:
+                result.tokens.append(int(new))
+                if new in self.eos_ids:
+                    result.finish_reason = "eos"
+                    break
+                if len(result.tokens) >= max_new_tokens:
+                    break
+        result.decode_seconds = time.perf_counter() - t1
+        return result
+
+
+class ARGenerator(SpeculativeGenerator):
+    """Autoregressive baseline: the same loop, backend and cache code with an empty draft budget."""
+
+    def __init__(self, backend: DecodeBackend, eos_token_id: int | Sequence[int] | None = None) -> None:
+        super().__init__(backend, budget=0, width=1, eos_token_id=eos_token_id)
