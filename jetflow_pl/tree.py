@@ -457,6 +457,42 @@ def build_tree(
 # --------------------------------------------------------------------------------------------------
 
 
+def rescore_and_select(tree: DraftTree, child_logprobs: Tensor, budget: int) -> DraftTree:
+    """Branch-conditioned refinement: re-score every node on its own path, keep the best ``budget``.
+
+    Args:
+        tree: a candidate tree (usually built with a larger budget than will be verified).
+        child_logprobs: ``[N, V]``; row ``u`` is the draft distribution of ``u``'s children given the
+            actual path root..u (from one head forward under the tree-causal mask).
+        budget: draft tokens to keep (root excluded).
+
+    A node's new score is its parent's new score plus ``child_logprobs[parent, token]``. Log-probs are
+    <= 0, so a child never outscores its parent, and taking the top ``budget`` nodes by (score desc,
+    node index asc) always keeps every kept node's parent: the result is a valid tree, still stored
+    parent-before-child in the candidate's order.
+    """
+    n = tree.num_nodes
+    if child_logprobs.dim() != 2 or child_logprobs.shape[0] != n:
+        raise ValueError(f"child_logprobs must have shape [{n}, V], got {list(child_logprobs.shape)}")
+    budget = operator.index(budget)
+    if budget < 0:
+        raise ValueError(f"budget must be >= 0, got {budget}")
+    lp = child_logprobs.detach().float().cpu()
+    parents = tree.parents.tolist()
+    step = lp[tree.parents[1:].clamp(min=0), tree.tokens[1:]].tolist()
+    scores = [0.0] * n
+    for i in range(1, n):
+        scores[i] = scores[parents[i]] + min(step[i - 1], 0.0)
+    ranked = sorted(range(1, n), key=lambda i: (-scores[i], i))[:budget]
+    keep = [0, *sorted(ranked)]
+    new_index = {old: new for new, old in enumerate(keep)}
+    return DraftTree.from_parents(
+        tree.tokens[keep],
+        [-1, *(new_index[parents[i]] for i in keep[1:])],
+        torch.tensor([scores[i] for i in keep], dtype=torch.float32),
+    )
+
+
 def accept_greedy(tree: DraftTree, target_argmax: Tensor) -> tuple[list[int], int]:
     """Greedy acceptance walk.
 

@@ -11,7 +11,7 @@ from jetflow_pl.decoding import ARGenerator, SamplingConfig, SpeculativeGenerato
 from jetflow_pl.decoding.torch_backend import TorchBackend
 from jetflow_pl.head import DraftHead, DraftHeadConfig
 from jetflow_pl.target import TargetModel
-from jetflow_pl.tree import Top2GapCap
+from jetflow_pl.tree import DraftTree, Top2GapCap
 
 BUDGETS = (1, 4, 16, 64, 256)
 MASK_ID = TINY_VOCAB - 1
@@ -193,3 +193,30 @@ def test_mismatched_head_fails_before_decoding(tiny):
     cfg.dflash_config = {**cfg.dflash_config, "target_layer_ids": [0, 99]}
     with pytest.raises(ValueError, match="target_layer_ids"):
         TorchBackend(target, DraftHead(cfg))
+
+
+def test_refinement_root_row_equals_draft_and_is_path_conditioned(tiny):
+    target, _, prompts, _ = tiny
+    backend = TorchBackend(target, make_head(target, True, seed=2))
+    backend.prefill(torch.tensor(prompts[0]))
+    anchor = 5
+    depth_lp = backend.draft(anchor)
+    # root -> a(10), root -> b(11), a -> c(12)
+    tree = DraftTree.from_parents([anchor, 10, 11, 12], [-1, 0, 0, 1])
+    lp = backend.refine(tree)
+    torch.testing.assert_close(lp[0], depth_lp[0], rtol=1e-4, atol=1e-5)  # offset 1 of the block
+    # changing sibling b's token leaves a's and c's children distributions unchanged
+    other = backend.refine(DraftTree.from_parents([anchor, 10, 40, 12], [-1, 0, 0, 1]))
+    torch.testing.assert_close(other[[0, 1, 3]], lp[[0, 1, 3]], rtol=1e-5, atol=1e-6)
+    # ... but changing a's token changes c's (its descendant's) distribution
+    moved = backend.refine(DraftTree.from_parents([anchor, 41, 11, 12], [-1, 0, 0, 1]))
+    assert not torch.allclose(moved[3], lp[3])
+
+
+def test_refinement_is_lossless(tiny):
+    target, _, prompts, refs = tiny
+    backend = TorchBackend(target, make_head(target, True, seed=3))
+    gen = SpeculativeGenerator(backend, budget=16, width=4, eos_token_id=EOS, refine_factor=2)
+    assert [gen.generate(p, 24).tokens for p in prompts[:8]] == refs[:8]
+    with pytest.raises(ValueError, match="refine_factor"):
+        SpeculativeGenerator(backend, budget=16, refine_factor=1)

@@ -16,6 +16,7 @@ from jetflow_pl.tree import (
     accept_sampling,
     build_tree,
     pack_mask,
+    rescore_and_select,
     stable_topk,
     unpack_mask,
 )
@@ -571,3 +572,45 @@ def test_accept_sampling_is_lossless_on_two_steps():
     assert set(counts) <= {k for k, p in expected.items() if p > 0}
     for key, p in expected.items():
         assert counts.get(key, 0) / trials == pytest.approx(p, abs=0.025), key
+
+
+# --------------------------------------------------------------------------------------------------
+# Branch-conditioned refinement: re-score on the own path, keep the best `budget`
+# --------------------------------------------------------------------------------------------------
+
+
+def test_rescore_and_select_hand_worked():
+    # root(9) -> a(1) -> c(3) ; root -> b(2) -> d(4)
+    tree = DraftTree.from_parents([9, 1, 2, 3, 4], [-1, 0, 0, 1, 2])
+    lp = torch.full((5, 6), -10.0)
+    lp[0, 1], lp[0, 2] = -2.0, -0.5  # the path-conditioned view prefers b over a
+    lp[1, 3] = -0.1  # a -> c : -2.1
+    lp[2, 4] = -1.0  # b -> d : -1.5
+    out = rescore_and_select(tree, lp, budget=2)
+    # scores: a -2.0, b -0.5, c -2.1, d -1.5 -> keep b, d (in candidate order: b before d)
+    assert out.tokens.tolist() == [9, 2, 4]
+    assert out.parents.tolist() == [-1, 0, 1]
+    assert out.depths.tolist() == [0, 1, 2]
+    assert out.scores.tolist() == pytest.approx([0.0, -0.5, -1.5])
+    assert rescore_and_select(tree, lp, budget=0).tokens.tolist() == [9]
+    assert rescore_and_select(tree, lp, budget=9).num_nodes == 5
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 40), st.integers(0, 40), st.integers(0, 2**31 - 1))
+def test_rescore_and_select_keeps_a_valid_best_subtree(n, budget, seed):
+    g = torch.Generator().manual_seed(seed)
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+    tree = DraftTree.from_parents(torch.randint(0, 7, (n,), generator=g), parents)
+    lp = torch.log_softmax(torch.randn(n, 7, generator=g), dim=-1)
+    out = rescore_and_select(tree, lp, budget)
+    out.validate()
+    k = min(budget, n - 1)
+    assert out.num_nodes == k + 1
+    # reference: path-conditioned scores of every candidate, computed naively from the root
+    ref = []
+    for i in range(1, n):
+        path = tree.path(i)
+        ref.append(sum(float(lp[a, tree.tokens[b]]) for a, b in zip(path[:-1], path[1:], strict=True)))
+    best = sorted(ref, reverse=True)[:k]
+    assert sorted(out.scores[1:].tolist(), reverse=True) == pytest.approx(best, abs=1e-5)

@@ -46,6 +46,11 @@ class DecodeBackend(Protocol):
         """One target forward over every tree node under the tree-causal mask; return logits `[N, V]`."""
         ...
 
+    def refine(self, tree: DraftTree) -> torch.Tensor:
+        """Optional (branch-conditioned refinement): one head forward over the tree under the tree-causal
+        mask; return log-probs `[N, V]` of each node's children given the node's actual path."""
+        ...
+
     def commit(self, accepted: list[int]) -> None:
         """Keep the KV rows of the accepted root path (node ids, root first); queue their taps for the head."""
         ...

@@ -14,7 +14,14 @@ import torch
 
 from jetflow_pl.decoding.backend import DecodeBackend
 from jetflow_pl.decoding.sampling import SamplingConfig, choose_token, processed_probs
-from jetflow_pl.tree import DraftTree, FanoutPolicy, accept_greedy, accept_sampling, build_tree
+from jetflow_pl.tree import (
+    DraftTree,
+    FanoutPolicy,
+    accept_greedy,
+    accept_sampling,
+    build_tree,
+    rescore_and_select,
+)
 
 
 @dataclass
@@ -52,6 +59,9 @@ class SpeculativeGenerator:
 
     budget: draft tokens per tree (root excluded); 0 means plain autoregressive decoding.
     width: children per expanded node (1 = a chain); `policy` may cap it per depth.
+    refine_factor: 0 = off (default). k >= 2 = branch-conditioned refinement: build a candidate tree of
+        `k * budget` draft tokens, re-score every node on its own path with one more head forward under
+        the tree-causal mask (`backend.refine`), and verify the best `budget` of them.
     """
 
     def __init__(
@@ -61,7 +71,10 @@ class SpeculativeGenerator:
         width: int = 4,
         policy: FanoutPolicy | None = None,
         eos_token_id: int | Sequence[int] | None = None,
+        refine_factor: int = 0,
     ) -> None:
+        if refine_factor != 0 and refine_factor < 2:
+            raise ValueError(f"refine_factor must be 0 (off) or >= 2, got {refine_factor}")
         if budget < 0:
             raise ValueError(f"budget must be >= 0, got {budget}")
         if width < 1:
@@ -72,6 +85,7 @@ class SpeculativeGenerator:
         self.budget = budget
         self.width = width
         self.policy = policy
+        self.refine_factor = refine_factor
         if eos_token_id is None:
             self.eos_ids: frozenset[int] = frozenset()
         elif isinstance(eos_token_id, int):
@@ -83,7 +97,12 @@ class SpeculativeGenerator:
         if self.budget == 0:
             return DraftTree.chain([anchor])
         depth_logprobs = self.backend.draft(anchor)
-        return build_tree(depth_logprobs, anchor, self.budget, self.width, self.policy)
+        if not self.refine_factor:
+            return build_tree(depth_logprobs, anchor, self.budget, self.width, self.policy)
+        candidates = build_tree(
+            depth_logprobs, anchor, self.refine_factor * self.budget, self.width, self.policy
+        )
+        return rescore_and_select(candidates, self.backend.refine(candidates), self.budget)
 
     @torch.no_grad()
     def generate(

@@ -86,6 +86,30 @@ class TorchBackend:
         return torch.log_softmax(logits.float(), dim=-1)
 
     @torch.no_grad()
+    def refine(self, tree: DraftTree) -> torch.Tensor:
+        """Path-conditioned children log-probs for every node, in one head forward of `2N` rows.
+
+        Rows `0..N-1` carry the tree's tokens at `past_len + depth` and see their ancestors-or-self;
+        row `N + u` is a MASK query at `past_len + depth(u) + 1` that sees the token rows of root..u, so
+        under the in-place convention it predicts u's children. For u = root this is exactly offset 1 of
+        the draft block. Call after `draft` (the head cache then holds all committed context).
+        """
+        if self.head is None:
+            raise RuntimeError("this backend has no draft head")
+        n = tree.num_nodes
+        anc = tree.ancestor_mask().to(self.device)
+        mask = torch.zeros(2 * n, 2 * n, dtype=torch.bool, device=self.device)
+        mask[:n, :n] = anc
+        mask[n:, :n] = anc
+        mask[n:, n:] = torch.eye(n, dtype=torch.bool, device=self.device)
+        tokens = tree.tokens.to(self.device)
+        ids = torch.cat([tokens, torch.full_like(tokens, self._mask_token_id)]).unsqueeze(0)
+        depths = tree.depths.to(self.device)
+        positions = (self._past_len + torch.cat([depths, depths + 1])).unsqueeze(0)
+        hidden = self.head(self.target.embed_tokens(ids), positions, cache=self._head_cache, in_block=mask)
+        return torch.log_softmax(self.target.lm_logits(hidden[0, n:]).float(), dim=-1)
+
+    @torch.no_grad()
     def verify(self, tree: DraftTree) -> torch.Tensor:
         ids = tree.tokens.to(self.device).unsqueeze(0)
         positions = tree.position_ids(self._past_len).to(self.device).unsqueeze(0)
