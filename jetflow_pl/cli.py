@@ -15,7 +15,11 @@ from lightning.pytorch.cli import LightningCLI
 
 
 class JetflowCLI(LightningCLI):
-    """LightningCLI with subclass mode for model and data, so configs choose the stage's classes."""
+    """LightningCLI with subclass mode for model and data, so configs choose the stage's classes.
+
+    `python -m jetflow_pl generate --help` documents the speculative-decoding subcommand, which is
+    dispatched before this parser runs.
+    """
 
 
 def lightning_main(args: Sequence[str] | None = None) -> JetflowCLI:
@@ -31,11 +35,12 @@ def lightning_main(args: Sequence[str] | None = None) -> JetflowCLI:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "generate":
+    """Dispatch `generate` to its own parser; everything else is LightningCLI's."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "generate":
         from jetflow_pl.generate_cli import main as generate_main
 
-        sys.exit(generate_main(argv[1:]))
+        sys.exit(generate_main(args[1:]))
     lightning_main(argv)
 
 
