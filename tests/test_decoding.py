@@ -220,3 +220,22 @@ def test_refinement_is_lossless(tiny):
     assert [gen.generate(p, 24).tokens for p in prompts[:8]] == refs[:8]
     with pytest.raises(ValueError, match="refine_factor"):
         SpeculativeGenerator(backend, budget=16, refine_factor=1)
+
+
+def test_tree_never_leaves_the_context_window(tiny):
+    """Near the context limit the drafted depths shrink so every node position stays < max positions."""
+    target, hf, prompts, _ = tiny
+    limit = target.config.max_position_embeddings
+    prompt = (prompts[5] * limit)[: limit - 6]
+    backend = TorchBackend(target, make_head(target, True))
+    seen: list[int] = []
+    verify = backend.verify
+
+    def spy(tree):
+        seen.append(backend.past_len + int(tree.depths.max()))
+        return verify(tree)
+
+    backend.verify = spy
+    res = SpeculativeGenerator(backend, budget=64, width=4).generate(prompt, 6)
+    assert res.tokens == hf_greedy(hf, prompt, 6)
+    assert seen and max(seen) <= limit - 1

@@ -94,9 +94,11 @@ class SpeculativeGenerator:
             self.eos_ids = frozenset(int(t) for t in eos_token_id)
 
     def _next_tree(self, anchor: int) -> DraftTree:
-        if self.budget == 0:
+        # the anchor sits at `past_len`; a depth-d node at `past_len + d` must stay inside the context
+        max_depth = self.backend.max_positions - 1 - self.backend.past_len
+        if self.budget == 0 or max_depth < 1:
             return DraftTree.chain([anchor])
-        depth_logprobs = self.backend.draft(anchor)
+        depth_logprobs = self.backend.draft(anchor)[:max_depth]
         if not self.refine_factor:
             return build_tree(depth_logprobs, anchor, self.budget, self.width, self.policy)
         candidates = build_tree(
