@@ -1,0 +1,226 @@
+"""One distillation step: target forward (no grad) -> sample anchors -> ONE packed head forward -> loss.
+
+`prepare_blocks` builds everything that depends only on the data (anchors, block ids and positions, the
+training mask, teacher rows, labels); `distill_step` runs the two models and the loss. The Lightning
+`DistillationModule` calls `distill_step` from its `training_step` / `validation_step`.
+
+Positions: without packing, row `t` is at position `t` and block offset `k` at `p + k` (DESIGN.md).
+With packing (`doc_ids`), positions restart at 0 in every document, for the target and the head alike,
+which is what each document sees at inference; since a block only attends inside its own document and
+RoPE is relative, this differs from plain `arange(S)` positions only by float rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from jetflow_pl.head import DraftHead
+from jetflow_pl.target import TargetModel
+
+from .anchors import sample_anchors, segment_ids
+from .losses import chunked_kl_loss, offset_weights, teacher_positions
+from .masks import build_training_mask, document_positions
+
+
+@dataclass
+class BlockBatch:
+    """The data-side inputs of one packed head forward (B rows, A blocks per row, bs rows per block)."""
+
+    anchors: torch.Tensor  # [B, A] long, anchor positions p (0 in invalid slots)
+    valid: torch.Tensor  # [B, A] bool
+    block_ids: torch.Tensor  # [B, A*bs] `[input_ids[p], MASK...]` per block
+    block_positions: torch.Tensor  # [B, A*bs] position of p + k
+    context_positions: torch.Tensor  # [B, S] positions of the context rows
+    attn_mask: torch.Tensor  # [B, A*bs, S + A*bs] bool
+    teacher_pos: torch.Tensor  # [B, A, bs-1] rows p + k - 1 (clamped into the sequence)
+    labels: torch.Tensor  # [B, A, bs-1] input_ids[p + k] (clamped)
+    row_valid: torch.Tensor  # [B, A, bs-1] bool: rows that enter the loss
+
+    @property
+    def block_size(self) -> int:
+        return self.block_ids.shape[1] // max(self.anchors.shape[1], 1)
+
+
+def target_packing_mask(doc_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`[B, 1, S, S]` additive mask for the target: causal and within one document."""
+    seg = segment_ids(doc_ids)
+    S = seg.shape[1]
+    causal = torch.ones(S, S, dtype=torch.bool, device=seg.device).tril()
+    visible = causal & (seg.unsqueeze(2) == seg.unsqueeze(1))
+    mask = torch.zeros(visible.shape, dtype=dtype, device=seg.device)
+    return mask.masked_fill(~visible, torch.finfo(dtype).min).unsqueeze(1)
+
+
+def prepare_blocks(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    doc_ids: torch.Tensor | None,
+    *,
+    block_size: int,
+    num_anchors: int,
+    mask_token_id: int,
+    in_block: str | torch.Tensor = "causal",
+    generator: torch.Generator | None = None,
+    anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> BlockBatch:
+    """Sample anchors (or use the given `(anchors, valid)`) and build the packed block inputs."""
+    if input_ids.dim() != 2 or loss_mask.shape != input_ids.shape:
+        raise ValueError(
+            f"input_ids and loss_mask must both be [B, S], got {tuple(input_ids.shape)} and {tuple(loss_mask.shape)}"
+        )
+    B, S = input_ids.shape
+    bs = int(block_size)
+    if bs < 2:
+        raise ValueError(f"block_size must be >= 2 (offset 0 predicts nothing), got {bs}")
+    if anchors is None:
+        anc, valid = sample_anchors(loss_mask, doc_ids, bs, num_anchors, generator)
+    else:
+        anc, valid = anchors
+        anc, valid = anc.to(input_ids.device, torch.long), valid.to(input_ids.device, torch.bool)
+    A = anc.shape[1]
+    anchor_tok = torch.gather(input_ids, 1, anc.clamp(0, S - 1))
+    block_ids = torch.full((B, A, bs), int(mask_token_id), dtype=input_ids.dtype, device=input_ids.device)
+    block_ids[:, :, 0] = anchor_tok
+    ctx_pos = document_positions(doc_ids, B, S, device=input_ids.device)
+    anchor_pos = torch.gather(ctx_pos, 1, anc.clamp(0, S - 1))
+    k = torch.arange(bs, device=input_ids.device)
+    blk_pos = (anchor_pos.unsqueeze(-1) + k).reshape(B, A * bs)
+    mask = build_training_mask(anc, valid, bs, S, doc_ids, in_block)
+    tpos = teacher_positions(anc, bs).clamp(0, S - 1)
+    labels = torch.gather(input_ids, 1, (tpos + 1).clamp(0, S - 1).reshape(B, -1)).reshape(B, A, bs - 1)
+    row_valid = valid.unsqueeze(-1).expand(B, A, bs - 1)
+    return BlockBatch(
+        anchors=anc,
+        valid=valid,
+        block_ids=block_ids.reshape(B, A * bs),
+        block_positions=blk_pos,
+        context_positions=ctx_pos,
+        attn_mask=mask,
+        teacher_pos=tpos,
+        labels=labels,
+        row_valid=row_valid,
+    )
+
+
+def distill_step(
+    target: TargetModel,
+    head: DraftHead,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    doc_ids: torch.Tensor | None = None,
+    *,
+    num_anchors: int,
+    loss_kind: str = "forward_kl",
+    temperature: float = 1.0,
+    decay_gamma: float | None = None,
+    chunk_size: int = 1024,
+    generator: torch.Generator | None = None,
+    block_size: int | None = None,
+    in_block: str | torch.Tensor | None = None,
+    anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    return_hidden: bool = False,
+) -> dict:
+    """One distillation step on a batch `[B, S]`; returns the loss (with grad into the head) and metrics.
+
+    The target must tap the head's layers (`target.tap_layer_ids == head.target_layer_ids`).
+    `block_size` defaults to the head's, `in_block` to its config (`causal` for a JetFlow head).
+    `anchors=(anchors, valid)` overrides sampling (tests, evaluation on fixed anchors).
+
+    Returns a dict: `loss` (scalar), `agree_correct` / `agree_total` (`[bs-1]` long per depth),
+    `num_blocks` (valid blocks), `anchors`, `valid`; with `return_hidden` also `student_hidden`,
+    `teacher_hidden` (`[N, H]`), `labels` `[N]`, `depth_index` `[N]` (k-1) and `row_index` `[N, 3]`
+    (batch row, anchor p, offset k) of the `N` loss rows.
+    """
+    if tuple(target.tap_layer_ids) != tuple(head.target_layer_ids):
+        raise ValueError(
+            f"target taps {list(target.tap_layer_ids)} != head target_layer_ids {head.target_layer_ids}: "
+            "call target.set_taps(head.target_layer_ids)"
+        )
+    bs = int(block_size or head.block_size)
+    if in_block is None:
+        in_block = "causal" if head.config.causal_head else "bidirectional"
+    mask_id = head.mask_token_id
+    if mask_id is None:
+        raise ValueError("the head has no mask_token_id (dflash_config.mask_token_id)")
+    B, S = input_ids.shape
+    bb = prepare_blocks(
+        input_ids,
+        loss_mask,
+        doc_ids,
+        block_size=bs,
+        num_anchors=num_anchors,
+        mask_token_id=mask_id,
+        in_block=in_block,
+        generator=generator,
+        anchors=anchors,
+    )
+    A = bb.anchors.shape[1]
+
+    with torch.no_grad():
+        if doc_ids is not None:
+            t_mask = target_packing_mask(doc_ids, target.dtype)
+            t_pos = bb.context_positions
+        else:
+            t_mask = t_pos = None
+        out = target(
+            input_ids,
+            position_ids=t_pos,
+            attention_mask=t_mask,
+            logits_positions=None,
+            return_hidden=True,
+            use_cache=False,
+        )
+        block_embeds = target.embed_tokens(bb.block_ids)
+
+    hidden = head(
+        block_embeds,
+        bb.block_positions,
+        context=out.taps,
+        context_positions=bb.context_positions,
+        attn_mask=bb.attn_mask,
+    )
+    H = hidden.shape[-1]
+    hidden = hidden.view(B, A, bs, H)[:, :, 1:]  # offsets 1..bs-1
+    sel = bb.row_valid
+    student = hidden[sel]
+    t_hidden = torch.gather(
+        out.hidden, 1, bb.teacher_pos.reshape(B, -1, 1).expand(-1, -1, out.hidden.shape[-1])
+    ).view(B, A, bs - 1, -1)
+    teacher = t_hidden[sel]
+    labels = bb.labels[sel]
+    depth = torch.arange(bs - 1, device=input_ids.device).expand(B, A, bs - 1)[sel]
+    weights = offset_weights(bs, decay_gamma, device=input_ids.device)[depth]
+
+    loss, stats = chunked_kl_loss(
+        student,
+        teacher,
+        target.lm_head,
+        weights,
+        kind=loss_kind,
+        temperature=temperature,
+        targets=labels,
+        chunk_size=chunk_size,
+        depth_index=depth,
+        num_depths=bs - 1,
+    )
+    result = {
+        "loss": loss,
+        "agree_correct": stats["agree_correct"],
+        "agree_total": stats["agree_total"],
+        "num_blocks": int(bb.valid.sum()),
+        "anchors": bb.anchors,
+        "valid": bb.valid,
+    }
+    if return_hidden:
+        b_idx = torch.arange(B, device=input_ids.device).view(B, 1, 1).expand(B, A, bs - 1)
+        p_idx = bb.anchors.unsqueeze(-1).expand(B, A, bs - 1)
+        result.update(
+            student_hidden=student,
+            teacher_hidden=teacher,
+            labels=labels,
+            depth_index=depth,
+            row_index=torch.stack([b_idx[sel], p_idx[sel], depth + 1], dim=-1),
+        )
+    return result
