@@ -1,0 +1,1 @@
+"""Stage 1: data generation (the seeded toy world and, later, regenerated/distilled data)."""
