@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import LightningCLI
 
+from jetflow_pl.errors import UserInputError
+
 
 class JetflowCLI(LightningCLI):
     """LightningCLI with subclass mode for model and data, so configs choose the stage's classes.
@@ -37,11 +39,15 @@ def lightning_main(args: Sequence[str] | None = None) -> JetflowCLI:
 def main(argv: Sequence[str] | None = None) -> None:
     """Dispatch `generate` to its own parser; everything else is LightningCLI's."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] == "generate":
-        from jetflow_pl.generate_cli import main as generate_main
+    try:
+        if args and args[0] == "generate":
+            from jetflow_pl.generate_cli import main as generate_main
 
-        sys.exit(generate_main(args[1:]))
-    lightning_main(argv)
+            sys.exit(generate_main(args[1:]))
+        lightning_main(argv)
+    except UserInputError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

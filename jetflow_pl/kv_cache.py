@@ -56,3 +56,12 @@ def crop_cache(cache: Cache, length: int) -> None:
         if getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.numel():
             layer.keys = layer.keys[..., :length, :]
             layer.values = layer.values[..., :length, :]
+
+
+def select_batch(cache: Cache, rows: torch.Tensor) -> None:
+    """Keep only batch rows `rows` (e.g. drop finished sequences from a batched generation)."""
+    rows = rows.to(torch.long)
+    for layer in _layers(cache):
+        if getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.numel():
+            layer.keys = layer.keys.index_select(0, rows.to(layer.keys.device))
+            layer.values = layer.values.index_select(0, rows.to(layer.values.device))

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 import data_gen.toy
 from export.cli import main as export_main
@@ -65,3 +66,26 @@ def test_generate_prints_text_and_metrics(tmp_path, capsys):
     assert row["matches_hf_greedy"] is True
     assert row["tau"] >= 1.0 and row["new_tokens"] > 0
     assert row["speedup_vs_ar"] > 0 and row["hf_decode_tokens_per_s"] > 0
+
+
+def test_bad_input_is_one_line_not_a_traceback(tmp_path):
+    """A user error (here: a prompt source that does not exist) exits 2 with one `error:` line."""
+    repo = Path(__file__).resolve().parents[1]
+    cfg = yaml.safe_load((repo / "configs/regenerate/toy.yaml").read_text())
+    cfg["data"]["init_args"]["source"] = str(tmp_path / "missing.jsonl")
+    cfg["trainer"]["callbacks"][0]["init_args"]["output_dir"] = str(tmp_path / "out")
+    cfg["trainer"]["default_root_dir"] = str(tmp_path / "logs")
+    cfg["model"]["init_args"]["target_path"] = str(SMALL)
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(cfg))
+    out = subprocess.run(
+        [sys.executable, "-m", "jetflow_pl", "predict", "--config", str(tmp_path / "bad.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=repo,
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "missing.jsonl" in errors[0]
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,23 @@
+"""Target regeneration: `python -m jetflow_pl predict --config configs/regenerate/<name>.yaml`.
+
+`PromptDataModule` (prompts) -> `RegenerationModule` (frozen target generates) -> `RegenerationWriter`
+(atomic shards, manifest, resume, merged `<out>/dataset`). The output schema is in `schema.py`.
+"""
+
+from data_gen.regenerate.module import RegenerationModule, batched_generate, sample_seed
+from data_gen.regenerate.prompts import PromptDataModule, PromptSourceError
+from data_gen.regenerate.schema import ARROW_SCHEMA, COLUMNS
+from data_gen.regenerate.writer import OutputFolderError, RegenerationProgressBar, RegenerationWriter
+
+__all__ = [
+    "ARROW_SCHEMA",
+    "COLUMNS",
+    "OutputFolderError",
+    "PromptDataModule",
+    "PromptSourceError",
+    "RegenerationModule",
+    "RegenerationProgressBar",
+    "RegenerationWriter",
+    "batched_generate",
+    "sample_seed",
+]

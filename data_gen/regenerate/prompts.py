@@ -1,0 +1,420 @@
+"""Prompt sources for regeneration: load, validate, chat-format, length-check and length-bucket prompts.
+
+A `source` is one of
+
+- `toy:<domain|all>:<train|heldout>:<n>[:<seed>]`: the toy prompt sets (`data_gen.toy.splits`);
+- a local file: `.jsonl` / `.json` / `.parquet` / `.arrow` / `.csv`;
+- a `datasets.save_to_disk` folder (a `DatasetDict` folder needs `split`);
+- a Hub dataset name (only where a network exists), loaded with `datasets.load_dataset(name, split=split)`.
+
+Each row is either single-turn (`prompt_field`, a string) or a chat (`messages_field`, a list of
+`{"role", "content"}`); when a chat ends with an assistant turn, that turn is dropped and regenerated.
+Prompts are formatted with the tokenizer's chat template (`add_generation_prompt=True`).
+
+Every problem with the input raises ONE `PromptSourceError` before anything is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import lightning as L
+import torch
+
+from jetflow_pl.errors import UserInputError
+
+OverlongPolicy = Literal["error", "skip", "truncate"]
+ROLES = ("system", "user", "assistant", "tool")
+_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+class PromptSourceError(UserInputError):
+    """Bad regeneration input (missing path, empty data, missing field, malformed chat, over-long prompt)."""
+
+
+@dataclass
+class PromptItem:
+    id: str
+    domain: str
+    prompt_ids: list[int]
+    truncated: bool = False
+
+
+@dataclass
+class PromptStats:
+    rows: int = 0
+    overlong_skipped: int = 0
+    truncated: int = 0
+    already_done: int = 0
+    pending: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def _looks_like_path(source: str) -> bool:
+    return source.startswith((".", "/", "~")) or Path(source).suffix.lower() in (*_FILE_BUILDERS, ".arrow")
+
+
+def load_rows(source: str, split: str = "train") -> list[dict]:
+    """All rows of `source` as plain dicts (see the module docstring for the accepted sources)."""
+    if source.startswith("toy:"):
+        return _toy_rows(source)
+    path = Path(source).expanduser()
+    if path.exists():
+        return _local_rows(path, split)
+    if _looks_like_path(source):
+        raise PromptSourceError(f"prompt source path does not exist: {source}")
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(source, split=split)
+    except Exception as err:  # network / hub errors: one message naming the source
+        raise PromptSourceError(
+            f"cannot load prompt source {source!r}: it is not a local path and loading it from the Hub "
+            f"failed ({type(err).__name__}: {err})"
+        ) from err
+    return list(ds)
+
+
+def _toy_rows(source: str) -> list[dict]:
+    from data_gen.toy.splits import DOMAINS, heldout_prompts, train_records
+
+    parts = source.split(":")
+    if len(parts) not in (4, 5):
+        raise PromptSourceError(
+            f"toy source must be 'toy:<domain|all>:<train|heldout>:<n>[:<seed>]', got {source!r}"
+        )
+    _, domain, split, n, *seed = parts
+    domains = DOMAINS if domain == "all" else (domain,)
+    if any(d not in DOMAINS for d in domains):
+        raise PromptSourceError(f"toy domain must be one of {(*DOMAINS, 'all')}, got {domain!r}")
+    if split not in ("train", "heldout"):
+        raise PromptSourceError(f"toy split must be 'train' or 'heldout', got {split!r}")
+    try:
+        n_i, seed_i = int(n), int(seed[0]) if seed else 0
+    except ValueError as err:
+        raise PromptSourceError(f"toy source {source!r}: n and seed must be integers") from err
+    make = train_records if split == "train" else heldout_prompts
+    rows = []
+    for d in domains:
+        for i, r in enumerate(make(d, n_i, seed_i)):
+            rows.append({"id": f"{d}-{split}-{seed_i}-{i}", "domain": d, "prompt": r["prompt"]})
+    return rows
+
+
+def _local_rows(path: Path, split: str) -> list[dict]:
+    import datasets
+
+    try:
+        if path.is_dir():
+            if not any((path / f).exists() for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
+                raise PromptSourceError(
+                    f"{path} is a folder but not a datasets.save_to_disk folder (no dataset_info.json, "
+                    "state.json or dataset_dict.json)"
+                )
+            ds = datasets.load_from_disk(str(path))
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise PromptSourceError(
+                        f"{path} has splits {sorted(ds)}, not the configured split {split!r}"
+                    )
+                ds = ds[split]
+        else:
+            suffix = path.suffix.lower()
+            if suffix == ".arrow":
+                ds = datasets.Dataset.from_file(str(path))
+            elif suffix in _FILE_BUILDERS:
+                if path.stat().st_size == 0:
+                    raise PromptSourceError(f"prompt source {path} is empty: it holds no rows")
+                ds = datasets.load_dataset(_FILE_BUILDERS[suffix], data_files=str(path), split="train")
+            else:
+                raise PromptSourceError(
+                    f"unsupported prompt file type {suffix!r} for {path}: use .jsonl, .json, .parquet, "
+                    ".arrow, .csv or a datasets.save_to_disk folder"
+                )
+    except PromptSourceError:
+        raise
+    except Exception as err:
+        raise PromptSourceError(f"cannot read prompt source {path}: {type(err).__name__}: {err}") from err
+    return list(ds)
+
+
+# ---------------------------------------------------------------------------------------------- formatting
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Ids of `messages` under the tokenizer's chat template with an opened assistant turn.
+
+    For a single user message this is exactly `data_gen.toy.tokenizer.prompt_ids`.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise PromptSourceError("the tokenizer has no chat template: prompts cannot be chat-formatted")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _where(i: int, row: dict, id_field: str) -> str:
+    rid = row.get(id_field)
+    return f"row {i}" + (f" (id {rid!r})" if rid is not None else "")
+
+
+def row_messages(
+    row: dict, i: int, prompt_field: str, messages_field: str, id_field: str, system_prompt: str | None
+) -> list[dict]:
+    """The chat to format for one row: the prompt (single-turn) or the chat minus a final assistant turn."""
+    where = _where(i, row, id_field)
+    msgs = row.get(messages_field)
+    if msgs is not None:
+        if not isinstance(msgs, (list, tuple)) or not msgs:
+            raise PromptSourceError(
+                f"{where}: malformed chat: '{messages_field}' must be a non-empty list of "
+                f"{{'role', 'content'}} messages, got {type(msgs).__name__}"
+            )
+        out = []
+        for j, m in enumerate(msgs):
+            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+                raise PromptSourceError(
+                    f"{where}: malformed chat: message {j} must be {{'role': one of {ROLES}, 'content': str}}, "
+                    f"got {m!r}"[:400]
+                )
+            out.append({"role": m["role"], "content": m["content"]})
+        if out[-1]["role"] == "assistant":
+            out = out[:-1]  # regenerate the last assistant turn
+        if not out or out[-1]["role"] not in ("user", "tool"):
+            raise PromptSourceError(
+                f"{where}: malformed chat: after dropping a final assistant turn the chat must end with a "
+                "user (or tool) message"
+            )
+        if system_prompt and out[0]["role"] != "system":
+            out = [{"role": "system", "content": system_prompt}, *out]
+        return out
+    prompt = row.get(prompt_field)
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise PromptSourceError(
+            f"{where} has no '{prompt_field}' field (or it is empty / not a string) and no "
+            f"'{messages_field}' chat: set prompt_field or messages_field to the column holding the prompt"
+        )
+    msgs = [{"role": "user", "content": prompt}]
+    return [{"role": "system", "content": system_prompt}, *msgs] if system_prompt else msgs
+
+
+def build_items(
+    rows: Sequence[dict],
+    tokenizer,
+    *,
+    source: str,
+    prompt_field: str = "prompt",
+    messages_field: str = "messages",
+    id_field: str = "id",
+    domain_field: str = "domain",
+    system_prompt: str | None = None,
+    max_prompt_len: int,
+    overlong: OverlongPolicy = "error",
+    limit_reason: str = "",
+) -> tuple[list[PromptItem], PromptStats]:
+    """Validate every row, format and tokenize it, apply the over-long policy. Raises on bad input."""
+    if not rows:
+        raise PromptSourceError(f"prompt source {source} is empty: it holds no rows")
+    if max_prompt_len < 1:
+        raise PromptSourceError(f"no room for a prompt: {limit_reason}")
+    columns = set().union(*(r.keys() for r in rows[:1000]))
+    if prompt_field not in columns and messages_field not in columns:
+        raise PromptSourceError(
+            f"prompt source {source} has no '{prompt_field}' or '{messages_field}' column "
+            f"(columns: {sorted(columns)}): set prompt_field or messages_field"
+        )
+    stats = PromptStats(rows=len(rows))
+    items: list[PromptItem] = []
+    seen: set[str] = set()
+    for i, row in enumerate(rows):
+        rid = row.get(id_field)
+        sid = str(rid) if rid is not None else str(i)
+        if sid in seen:
+            raise PromptSourceError(f"row {i}: duplicate id {sid!r} in {source}: ids must be unique")
+        seen.add(sid)
+        msgs = row_messages(row, i, prompt_field, messages_field, id_field, system_prompt)
+        ids = chat_prompt_ids(tokenizer, msgs)
+        item = PromptItem(id=sid, domain=str(row.get(domain_field) or ""), prompt_ids=ids)
+        if len(ids) > max_prompt_len:
+            if overlong == "error":
+                raise PromptSourceError(
+                    f"{_where(i, row, id_field)}: the prompt has {len(ids)} tokens, more than the limit of "
+                    f"{max_prompt_len} ({limit_reason}); set overlong: skip or overlong: truncate to go on"
+                )
+            if overlong == "skip":
+                stats.overlong_skipped += 1
+                continue
+            item.prompt_ids, item.truncated = ids[-max_prompt_len:], True  # keep the end (generation prompt)
+            stats.truncated += 1
+        items.append(item)
+    return items, stats
+
+
+# ---------------------------------------------------------------------------------------------- batching
+def bucket_batches(
+    items: Sequence[PromptItem], batch_size: int, max_batch_tokens: int | None, max_new_tokens: int
+) -> list[list[PromptItem]]:
+    """Length-bucketed batches: longest prompts first, each batch of similar lengths, so padding stays small.
+
+    A batch holds at most `batch_size` prompts and, when `max_batch_tokens` is set, at most that many
+    padded tokens counting the generated ones: `len(batch) * (longest prompt + max_new_tokens)`.
+    """
+    order = sorted(items, key=lambda it: (-len(it.prompt_ids), it.id))
+    batches: list[list[PromptItem]] = []
+    cur: list[PromptItem] = []
+    for it in order:
+        width = (len(cur[0].prompt_ids) if cur else len(it.prompt_ids)) + max_new_tokens
+        if cur and (
+            len(cur) >= batch_size or (max_batch_tokens and (len(cur) + 1) * width > max_batch_tokens)
+        ):
+            batches.append(cur)
+            cur = []
+        cur.append(it)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def collate_left(batch: Sequence[PromptItem], pad_id: int) -> dict:
+    """Left-padded `input_ids` / `attention_mask` plus the per-sample metadata lists."""
+    width = max(len(it.prompt_ids) for it in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for r, it in enumerate(batch):
+        n = len(it.prompt_ids)
+        ids[r, width - n :] = torch.tensor(it.prompt_ids, dtype=torch.long)
+        mask[r, width - n :] = 1
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "ids": [it.id for it in batch],
+        "domains": [it.domain for it in batch],
+        "prompt_ids": [list(it.prompt_ids) for it in batch],
+        "truncated": [it.truncated for it in batch],
+    }
+
+
+class _Batches(torch.utils.data.Dataset):
+    """A dataset whose items are whole, already collated batches (DataLoader with `batch_size=None`)."""
+
+    def __init__(self, batches: list[list[PromptItem]], pad_id: int) -> None:
+        self.batches, self.pad_id = batches, pad_id
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i: int) -> dict:
+        return collate_left(self.batches[i], self.pad_id)
+
+
+# ---------------------------------------------------------------------------------------------- datamodule
+class PromptDataModule(L.LightningDataModule):
+    """Prompts for `RegenerationModule` (see the module docstring for sources and fields).
+
+    The tokenizer, the model context and `max_new_tokens` come from the attached `RegenerationModule`, so a
+    config states them once. Prompts longer than `min(max_prompt_len, context - max_new_tokens)` follow
+    `overlong`: "error" (default: one message naming the row), "skip" (counted) or "truncate" (keep the
+    last tokens, which hold the generation prompt; counted). Ids already finished in the output folder are
+    excluded by the writer (`exclude_ids`) before batches are built. Under DDP Lightning splits the batches
+    across ranks without repeats (its predict-time sampler).
+    """
+
+    def __init__(
+        self,
+        source: str,
+        split: str = "train",
+        prompt_field: str = "prompt",
+        messages_field: str = "messages",
+        id_field: str = "id",
+        domain_field: str = "domain",
+        system_prompt: str | None = None,
+        max_samples: int | None = None,
+        max_prompt_len: int | None = None,
+        overlong: OverlongPolicy = "error",
+        batch_size: int = 16,
+        max_batch_tokens: int | None = None,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        if overlong not in ("error", "skip", "truncate"):
+            raise ValueError(f"overlong must be 'error', 'skip' or 'truncate', got {overlong!r}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.save_hyperparameters()
+        self.source = source
+        self.items: list[PromptItem] | None = None
+        self.stats = PromptStats()
+        self.exclude_ids: set[str] = set()
+        self.pad_id = 0
+        self.max_new_tokens = 0
+
+    def fingerprint(self) -> dict:
+        """The settings that decide which prompts (and prompt ids) a run holds."""
+        hp = dict(self.hparams)
+        for k in ("batch_size", "max_batch_tokens", "num_workers"):
+            hp.pop(k, None)
+        src = Path(self.source).expanduser()
+        if not self.source.startswith("toy:") and src.exists():
+            hp["source"] = str(src.resolve())
+        return hp
+
+    def prepare_items(self, tokenizer, context_length: int, max_new_tokens: int) -> None:
+        """Load and validate every prompt now (raises `PromptSourceError` on bad input)."""
+        limit = context_length - max_new_tokens
+        reason = f"model context {context_length} - max_new_tokens {max_new_tokens}"
+        if self.hparams.max_prompt_len is not None and self.hparams.max_prompt_len < limit:
+            limit, reason = self.hparams.max_prompt_len, "max_prompt_len"
+        rows = load_rows(self.source, self.hparams.split)
+        if self.hparams.max_samples is not None:
+            rows = rows[: self.hparams.max_samples]
+        self.items, self.stats = build_items(
+            rows,
+            tokenizer,
+            source=self.source,
+            prompt_field=self.hparams.prompt_field,
+            messages_field=self.hparams.messages_field,
+            id_field=self.hparams.id_field,
+            domain_field=self.hparams.domain_field,
+            system_prompt=self.hparams.system_prompt,
+            max_prompt_len=limit,
+            overlong=self.hparams.overlong,
+            limit_reason=reason,
+        )
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = int(pad if pad is not None else 0)
+        self.max_new_tokens = max_new_tokens
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.items is not None:
+            return
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        if module is None or not hasattr(module, "tokenizer"):
+            raise RuntimeError(
+                "PromptDataModule needs a RegenerationModule (tokenizer, context, max_new_tokens)"
+            )
+        self.prepare_items(module.tokenizer, module.context_length, module.max_new_tokens)
+
+    def pending_items(self) -> list[PromptItem]:
+        assert self.items is not None, "call setup() first"
+        pending = [it for it in self.items if it.id not in self.exclude_ids]
+        self.stats.already_done = len(self.items) - len(pending)
+        self.stats.pending = len(pending)
+        return pending
+
+    def predict_dataloader(self) -> torch.utils.data.DataLoader:
+        batches = bucket_batches(
+            self.pending_items(), self.hparams.batch_size, self.hparams.max_batch_tokens, self.max_new_tokens
+        )
+        return torch.utils.data.DataLoader(
+            _Batches(batches, self.pad_id),
+            batch_size=None,
+            shuffle=False,
+            num_workers=self.hparams.num_workers,
+        )
+
+
+def stable_hash(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
