@@ -10,10 +10,31 @@ from .masks import block_positions, build_training_mask, document_positions
 from .metrics import DepthAgreement, SimulatedAcceptanceLength, simulated_acceptance_length
 from .step import BlockBatch, distill_step, prepare_blocks, target_packing_mask
 
+# The Lightning pieces import lazily, so `import jetflow_pl.training` stays free of Lightning.
+_LAZY = {
+    "DistillationModule": "module",
+    "DistillDataModule": "data",
+    "AcceptanceLengthCallback": "callbacks",
+    "HFHeadExport": "callbacks",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "LOSS_KINDS",
+    "AcceptanceLengthCallback",
     "BlockBatch",
     "DepthAgreement",
+    "DistillDataModule",
+    "DistillationModule",
+    "HFHeadExport",
     "SimulatedAcceptanceLength",
     "block_positions",
     "build_training_mask",
