@@ -1,0 +1,241 @@
+"""Callbacks of the distillation stage.
+
+- `AcceptanceLengthCallback`: every `every_n_steps` optimizer steps (and once when training ends) runs the
+  real `SpeculativeGenerator` (greedy, tree budget/width) with the current head on held-out prompts and
+  logs `val/tau`: tokens committed per target verify forward, the metric of DESIGN.md section 4.
+- `HFHeadExport`: writes the head with `save_pretrained` as `<dirpath>/last` (at the end of training, and
+  every `every_n_steps` if set) and `<dirpath>/best` (whenever the monitored metric, `val/tau` by
+  default, improves); both load with `DraftHead.from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
+
+
+def _log_value(trainer: Trainer, name: str, value: float) -> None:
+    """Log a scalar once, straight to the loggers (allowed in every hook; `self.log` from a batch hook
+    would repeat the value at every later logging step), and expose it in `trainer.callback_metrics`."""
+    for logger in trainer.loggers:
+        logger.log_metrics({name: float(value)}, step=trainer.global_step)
+    trainer.callback_metrics[name] = torch.tensor(float(value))
+
+
+class AcceptanceLengthCallback(Callback):
+    """Real acceptance length (`val/tau`) of speculative decoding on held-out prompts.
+
+    Args:
+        every_n_steps: measure after every `every_n_steps` optimizer steps (0 = only at the end).
+        budget, width: draft tree budget (root excluded) and fan-out.
+        num_prompts: held-out prompts (`data_gen.toy.splits.heldout_prompts(domain, n, seed)`).
+        max_new_tokens: tokens generated per prompt.
+        domain: toy domain of the prompts (`math`, `code`, `prose`).
+        tokenizer_path: tokenizer folder (default: the module's `target_path`).
+        prompt_token_ids: explicit prompts as token id lists (then no tokenizer is needed).
+        seed: prompt-set seed.
+        at_train_end: also measure once when training ends.
+        metric_name: the logged name.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 200,
+        budget: int = 64,
+        width: int = 4,
+        num_prompts: int = 20,
+        max_new_tokens: int = 128,
+        domain: str = "math",
+        tokenizer_path: str | None = None,
+        prompt_token_ids: list[list[int]] | None = None,
+        seed: int = 0,
+        at_train_end: bool = True,
+        metric_name: str = "val/tau",
+    ) -> None:
+        if every_n_steps < 0:
+            raise ValueError(f"every_n_steps must be >= 0, got {every_n_steps}")
+        if budget < 1 or width < 1 or max_new_tokens < 1:
+            raise ValueError("budget, width and max_new_tokens must be >= 1")
+        if prompt_token_ids is None and num_prompts < 1:
+            raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+        self.every_n_steps = int(every_n_steps)
+        self.budget = int(budget)
+        self.width = int(width)
+        self.num_prompts = int(num_prompts)
+        self.max_new_tokens = int(max_new_tokens)
+        self.domain = domain
+        self.tokenizer_path = tokenizer_path
+        self.prompt_token_ids = prompt_token_ids
+        self.seed = int(seed)
+        self.at_train_end = bool(at_train_end)
+        self.metric_name = metric_name
+        self._prompts: list[list[int]] | None = None
+        self._eos: int | None = None
+        self._last_step: int | None = None
+        self.history: list[dict] = []
+
+    # ------------------------------------------------------------------ prompts
+    def _load_prompts(self, pl_module: LightningModule) -> list[list[int]]:
+        if self._prompts is not None:
+            return self._prompts
+        if self.prompt_token_ids is not None:
+            self._prompts = [list(map(int, p)) for p in self.prompt_token_ids]
+            self._eos = getattr(pl_module.target.config, "eos_token_id", None)
+            return self._prompts
+        from transformers import AutoTokenizer
+
+        from data_gen.toy.splits import heldout_prompts
+        from data_gen.toy.tokenizer import prompt_ids
+
+        path = self.tokenizer_path or pl_module.hparams.target_path
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        recs = heldout_prompts(self.domain, self.num_prompts, self.seed)
+        self._prompts = [prompt_ids(tok, r["prompt"]) for r in recs]
+        self._eos = tok.eos_token_id
+        return self._prompts
+
+    @torch.no_grad()
+    def measure(self, pl_module: LightningModule) -> dict:
+        """Run speculative decoding with the module's head; returns `{tau, rounds, tokens, seconds}`."""
+        from jetflow_pl.decoding import SpeculativeGenerator
+        from jetflow_pl.decoding.torch_backend import TorchBackend
+
+        prompts = self._load_prompts(pl_module)
+        head = pl_module.head
+        was_training = head.training
+        t0 = time.perf_counter()
+        lengths: list[int] = []
+        tokens = 0
+        try:
+            backend = TorchBackend(pl_module.target, head)  # sets head.eval()
+            gen = SpeculativeGenerator(backend, self.budget, self.width, eos_token_id=self._eos)
+            for ids in prompts:
+                room = int(pl_module.target.config.max_position_embeddings) - len(ids)
+                res = gen.generate(ids, max(1, min(self.max_new_tokens, room)))
+                lengths.extend(res.accept_lengths)
+                tokens += len(res.tokens)
+        finally:
+            head.train(was_training)
+        tau = sum(lengths) / len(lengths) if lengths else 0.0
+        return {"tau": tau, "rounds": len(lengths), "tokens": tokens, "seconds": time.perf_counter() - t0}
+
+    def _run(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._last_step == trainer.global_step:
+            return
+        self._last_step = trainer.global_step
+        stats = self.measure(pl_module)
+        stats["step"] = trainer.global_step
+        self.history.append(stats)
+        _log_value(trainer, self.metric_name, stats["tau"])
+        rank_zero_info(
+            f"[{self.metric_name}] step {trainer.global_step}: tau {stats['tau']:.3f} "
+            f"(budget {self.budget}, width {self.width}, {len(self._prompts)} {self.domain} prompts, "
+            f"{stats['rounds']} rounds, {stats['seconds']:.1f}s)"
+        )
+        for cb in trainer.callbacks:
+            if isinstance(cb, HFHeadExport) and cb.monitor == self.metric_name:
+                cb.offer(trainer, pl_module, stats["tau"])
+
+    # ------------------------------------------------------------------ hooks
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx
+    ) -> None:
+        step = trainer.global_step
+        if self.every_n_steps and step > 0 and step % self.every_n_steps == 0:
+            self._run(trainer, pl_module)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.at_train_end:
+            self._run(trainer, pl_module)
+
+
+class HFHeadExport(Callback):
+    """Export the head in HF format: `<dirpath>/last` and `<dirpath>/best` (by `monitor`, `mode`).
+
+    `best` is updated whenever a new value of `monitor` beats the best so far: pushed by
+    `AcceptanceLengthCallback` right after it measures (same step), or read from the logged metrics at the
+    end of each validation run (for other monitors such as `val/sim_tau`). Each export folder also holds
+    `export_info.json` (step, metric value).
+    """
+
+    def __init__(
+        self,
+        dirpath: str,
+        monitor: str = "val/tau",
+        mode: str = "max",
+        save_last: bool = True,
+        every_n_steps: int = 0,
+    ) -> None:
+        if mode not in ("max", "min"):
+            raise ValueError(f"mode must be 'max' or 'min', got {mode!r}")
+        self.dirpath = Path(dirpath)
+        self.monitor = monitor
+        self.mode = mode
+        self.save_last = bool(save_last)
+        self.every_n_steps = int(every_n_steps)
+        self.best_value: float | None = None
+        self.best_step: int | None = None
+
+    @property
+    def best_dir(self) -> Path:
+        return self.dirpath / "best"
+
+    @property
+    def last_dir(self) -> Path:
+        return self.dirpath / "last"
+
+    def _write(self, trainer: Trainer, pl_module: LightningModule, out: Path, value: float | None) -> None:
+        if not trainer.is_global_zero:
+            return
+        out.mkdir(parents=True, exist_ok=True)
+        pl_module.head.save_pretrained(str(out))
+        info = {"global_step": trainer.global_step, "monitor": self.monitor, "value": value}
+        (out / "export_info.json").write_text(json.dumps(info, indent=2))
+
+    def _better(self, value: float) -> bool:
+        if not math.isfinite(value):
+            return False
+        if self.best_value is None:
+            return True
+        return value > self.best_value if self.mode == "max" else value < self.best_value
+
+    def offer(self, trainer: Trainer, pl_module: LightningModule, value: float) -> bool:
+        """Export `best/` if `value` (just measured for the current head) improves on the best."""
+        value = float(value)
+        if not self._better(value):
+            return False
+        self.best_value, self.best_step = value, trainer.global_step
+        self._write(trainer, pl_module, self.best_dir, value)
+        rank_zero_info(f"[HFHeadExport] best {self.monitor}={value:.4f} at step {trainer.global_step}")
+        return True
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.sanity_checking or self.monitor == "val/tau":
+            return
+        v = trainer.callback_metrics.get(self.monitor)
+        if v is not None:
+            self.offer(trainer, pl_module, float(v))
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx
+    ) -> None:
+        step = trainer.global_step
+        if self.every_n_steps and step > 0 and step % self.every_n_steps == 0:
+            self._write(trainer, pl_module, self.last_dir, None)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.save_last:
+            self._write(trainer, pl_module, self.last_dir, None)
+
+    def state_dict(self) -> dict:
+        return {"best_value": self.best_value, "best_step": self.best_step}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.best_value = state_dict.get("best_value")
+        self.best_step = state_dict.get("best_step")

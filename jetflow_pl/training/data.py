@@ -1,0 +1,371 @@
+"""`DistillDataModule`: tokenized `(input_ids, loss_mask)` documents, packed into fixed-length rows.
+
+Sources (DESIGN.md section 3):
+
+- a regenerated dataset folder (`datasets.load_from_disk`; the schema of `data_gen/regenerate/schema.py`:
+  columns `id, domain, input_ids, loss_mask, prompt_len, response, finish_reason`). The folder may be the
+  regeneration output root (its `dataset/` subfolder is used) or the dataset folder itself;
+- the toy corpora directly (`data_gen.toy.splits.train_records` + `data_gen.toy.tokenizer.format_example`)
+  when no folder is given, so the distillation stage runs standalone.
+
+Documents are optionally re-weighted per domain (`domain_weights`: 2.0 = every document twice, 0.5 = a
+seeded half), split into train / held-out at the document level, shuffled by `seed` and packed into rows
+of `seq_len` tokens. Every batch is a dict of `[B, S]` tensors `input_ids` (long), `loss_mask` (bool) and
+`doc_ids` (long; a new document starts wherever the id changes, see `training.anchors.segment_ids`).
+
+Packing (`split_documents`):
+
+- `True`: the shuffled documents are concatenated into one stream and cut every `seq_len` tokens, so no
+  token is wasted; a document cut at a row boundary continues in the next row as a new segment (it then
+  lacks its earlier context). Only the last, partial row is padded.
+- `False`: documents are never cut (longer ones are truncated to `seq_len`); a document that does not fit
+  in the current row starts the next row, whose unused tail is padded. Every block then sees its whole
+  prompt, exactly as at inference, at the cost of a little padding.
+
+Padding rows carry `pad_token_id`, their own doc id (never merged with a real document) and
+`loss_mask=False`, so no anchor and no attention ever reaches them.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+DEFAULT_TOY_COUNTS = {"math": 6000, "code": 1000, "prose": 500}
+
+
+# --------------------------------------------------------------------------------------------- loading
+def load_regenerated(path: str | Path) -> list[dict]:
+    """Documents `{"input_ids", "loss_mask", "domain"}` from a regenerated dataset folder."""
+    from datasets import load_from_disk
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"dataset_path {str(path)!r} does not exist")
+    if (path / "dataset").is_dir():
+        path = path / "dataset"
+    ds = load_from_disk(str(path))
+    missing = [c for c in ("input_ids", "loss_mask") if c not in ds.column_names]
+    if missing:
+        raise ValueError(
+            f"dataset at {str(path)!r} lacks column(s) {missing}; expected the regeneration schema "
+            "(id, domain, input_ids, loss_mask, prompt_len, response, finish_reason)"
+        )
+    cols = ["input_ids", "loss_mask"] + (["domain"] if "domain" in ds.column_names else [])
+    docs = []
+    for row in ds.select_columns(cols):
+        ids, mask = list(row["input_ids"]), [bool(m) for m in row["loss_mask"]]
+        if len(ids) != len(mask):
+            raise ValueError(f"a row of {str(path)!r} has input_ids and loss_mask of different lengths")
+        docs.append({"input_ids": ids, "loss_mask": mask, "domain": row.get("domain", "") or ""})
+    return docs
+
+
+def toy_documents(tokenizer_path: str | Path, counts: dict[str, int], seed: int) -> list[dict]:
+    """Documents built from the toy training corpora, chat-formatted with the toy tokenizer."""
+    from transformers import AutoTokenizer
+
+    from data_gen.toy.splits import train_records
+    from data_gen.toy.tokenizer import format_example
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_path), local_files_only=True)
+    docs = []
+    for domain, n in counts.items():
+        if n <= 0:
+            continue
+        for r in train_records(domain, int(n), seed):
+            ids, mask = format_example(tok, r["prompt"], r["response"])
+            docs.append({"input_ids": ids, "loss_mask": mask, "domain": domain})
+    return docs
+
+
+def apply_domain_weights(docs: list[dict], weights: dict[str, float] | None, seed: int) -> list[dict]:
+    """Repeat each document `floor(w)` times plus once more with probability `w - floor(w)` (seeded)."""
+    if not weights:
+        return docs
+    for d, w in weights.items():
+        if w < 0:
+            raise ValueError(f"domain_weights[{d!r}] must be >= 0, got {w}")
+    rng = random.Random(seed)
+    out: list[dict] = []
+    for doc in docs:
+        w = float(weights.get(doc["domain"], 1.0))
+        reps = int(w) + (1 if rng.random() < w - int(w) else 0)
+        out.extend([doc] * reps)
+    return out
+
+
+# --------------------------------------------------------------------------------------------- packing
+def pack_documents(
+    docs: Sequence[dict], seq_len: int, pad_token_id: int = 0, split_documents: bool = True
+) -> dict[str, torch.Tensor]:
+    """Pack documents (in the given order) into `[N, seq_len]` rows; see the module docstring.
+
+    Returns `input_ids` (long), `loss_mask` (bool), `doc_ids` (long: 0, 1, 2, ... per row in order of
+    appearance, the padding tail one more than the row's last document).
+    """
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be >= 2, got {seq_len}")
+    rows_ids: list[list[int]] = []
+    rows_mask: list[list[bool]] = []
+    rows_doc: list[list[int]] = []
+    cur_ids: list[int] = []
+    cur_mask: list[bool] = []
+    cur_doc: list[int] = []
+    n_docs = 0  # documents (segments) in the current row
+
+    def flush() -> None:
+        nonlocal cur_ids, cur_mask, cur_doc, n_docs
+        if not cur_ids:
+            return
+        pad = seq_len - len(cur_ids)
+        rows_ids.append(cur_ids + [pad_token_id] * pad)
+        rows_mask.append(cur_mask + [False] * pad)
+        rows_doc.append(cur_doc + [n_docs] * pad)
+        cur_ids, cur_mask, cur_doc, n_docs = [], [], [], 0
+
+    for doc in docs:
+        ids, mask = list(doc["input_ids"]), [bool(m) for m in doc["loss_mask"]]
+        if not ids:
+            continue
+        if not split_documents:
+            ids, mask = ids[:seq_len], mask[:seq_len]
+            if len(cur_ids) + len(ids) > seq_len:
+                flush()
+            cur_ids += ids
+            cur_mask += mask
+            cur_doc += [n_docs] * len(ids)
+            n_docs += 1
+            continue
+        while ids:
+            room = seq_len - len(cur_ids)
+            take = min(room, len(ids))
+            cur_ids += ids[:take]
+            cur_mask += mask[:take]
+            cur_doc += [n_docs] * take
+            n_docs += 1
+            ids, mask = ids[take:], mask[take:]
+            if len(cur_ids) == seq_len:
+                flush()
+    flush()
+    if not rows_ids:
+        return {
+            "input_ids": torch.zeros(0, seq_len, dtype=torch.long),
+            "loss_mask": torch.zeros(0, seq_len, dtype=torch.bool),
+            "doc_ids": torch.zeros(0, seq_len, dtype=torch.long),
+        }
+    return {
+        "input_ids": torch.tensor(rows_ids, dtype=torch.long),
+        "loss_mask": torch.tensor(rows_mask, dtype=torch.bool),
+        "doc_ids": torch.tensor(rows_doc, dtype=torch.long),
+    }
+
+
+class PackedRows(Dataset):
+    """Rows of a packed tensor dict; `__getitem__` returns `{name: [S] tensor}`."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def __len__(self) -> int:
+        return int(self.tensors["input_ids"].shape[0])
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: v[i] for k, v in self.tensors.items()}
+
+
+class EpochShuffleSampler(Sampler[int]):
+    """A seeded permutation per epoch (`seed + epoch`): the same order on every run and after a resume.
+
+    `resume_at(epoch, skip)` makes the next iteration of `epoch` start after its first `skip` indices
+    (a mid-epoch resume continues with exactly the rows the interrupted run would have seen next).
+    """
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.seed, self.epoch = int(n), int(seed), 0
+        self._resume: tuple[int, int] | None = None
+
+    def set_epoch(self, epoch: int) -> None:  # Lightning calls this at every epoch start
+        self.epoch = int(epoch)
+
+    def resume_at(self, epoch: int, skip: int) -> None:
+        self._resume = (int(epoch), max(0, int(skip)))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        order = torch.randperm(self.n, generator=g).tolist()
+        if self._resume is not None and self._resume[0] == self.epoch:
+            order = order[self._resume[1] :]
+            self._resume = None
+        return iter(order)
+
+
+# --------------------------------------------------------------------------------------------- module
+class DistillDataModule(LightningDataModule):
+    """Packed distillation rows from a regenerated folder or the toy corpora (see module docstring).
+
+    Args:
+        dataset_path: a regenerated dataset folder (or the regeneration output root). `None` = toy corpora.
+        tokenizer_path: toy tokenizer folder (e.g. the target folder); required without `dataset_path`.
+        toy_counts: documents per toy domain (`train_records(domain, n, seed)`), toy mode only.
+        domain_weights: per-domain repeat factor applied before the split (missing domains: 1.0).
+        seq_len: packed row length.
+        split_documents: packing mode (module docstring).
+        batch_size: rows per batch.
+        val_fraction: fraction of documents held out for validation (at least one document when > 0).
+        max_val_rows: cap on packed validation rows (`None` = all).
+        pad_token_id: id written into padding (default: the tokenizer's pad id in toy mode, else 0).
+        seed: document shuffling, domain re-weighting, the held-out split and the row order.
+        num_workers: DataLoader workers.
+    """
+
+    def __init__(
+        self,
+        dataset_path: str | None = None,
+        tokenizer_path: str | None = None,
+        toy_counts: dict[str, int] | None = None,
+        domain_weights: dict[str, float] | None = None,
+        seq_len: int = 256,
+        split_documents: bool = True,
+        batch_size: int = 8,
+        val_fraction: float = 0.02,
+        max_val_rows: int | None = 32,
+        pad_token_id: int | None = None,
+        seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        if dataset_path is None and tokenizer_path is None:
+            raise ValueError(
+                "DistillDataModule needs dataset_path (a regenerated folder) or tokenizer_path (toy corpora)"
+            )
+        if seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2, got {seq_len}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        if toy_counts is not None:
+            from data_gen.toy.splits import DOMAINS
+
+            bad = [d for d in toy_counts if d not in DOMAINS]
+            if bad:
+                raise ValueError(f"toy_counts: unknown domain(s) {bad}; known: {list(DOMAINS)}")
+        self.save_hyperparameters()
+        self.dataset_path = dataset_path
+        self.tokenizer_path = tokenizer_path
+        self.toy_counts = dict(toy_counts) if toy_counts is not None else dict(DEFAULT_TOY_COUNTS)
+        self.domain_weights = dict(domain_weights) if domain_weights else None
+        self.seq_len = int(seq_len)
+        self.split_documents = bool(split_documents)
+        self.batch_size = int(batch_size)
+        self.val_fraction = float(val_fraction)
+        self.max_val_rows = max_val_rows
+        self.pad_token_id = pad_token_id
+        self.seed = int(seed)
+        self.num_workers = int(num_workers)
+        self.train_rows: dict[str, torch.Tensor] | None = None
+        self.val_rows: dict[str, torch.Tensor] | None = None
+        self._resume: dict | None = None
+        self._sampler: EpochShuffleSampler | None = None
+
+    # ------------------------------------------------------------------ data
+    def load_documents(self) -> list[dict]:
+        if self.dataset_path is not None:
+            return load_regenerated(self.dataset_path)
+        return toy_documents(self.tokenizer_path, self.toy_counts, self.seed)
+
+    def _pad_id(self) -> int:
+        if self.pad_token_id is not None:
+            return int(self.pad_token_id)
+        if self.dataset_path is None and self.tokenizer_path is not None:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(str(self.tokenizer_path), local_files_only=True)
+            if tok.pad_token_id is not None:
+                return int(tok.pad_token_id)
+        return 0
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_rows is not None:
+            return
+        docs = self.load_documents()
+        if not docs:
+            raise ValueError("no documents: the dataset is empty (or every toy_counts entry is 0)")
+        docs = apply_domain_weights(docs, self.domain_weights, self.seed)
+        # hold out whole documents (after weighting a repeated document could straddle the split, so
+        # split the distinct documents first)
+        distinct: dict[int, int] = {}
+        for i, d in enumerate(docs):
+            distinct.setdefault(id(d), i)
+        keys = sorted(distinct.values())
+        rng = random.Random(self.seed)
+        n_val = 0
+        if self.val_fraction > 0:
+            n_val = min(max(1, int(round(self.val_fraction * len(keys)))), len(keys) - 1)
+        val_keys = set(rng.sample(keys, n_val)) if n_val else set()
+        val_ids = {id(docs[i]) for i in val_keys}
+        train_docs = [d for d in docs if id(d) not in val_ids]
+        val_docs = [docs[i] for i in sorted(val_keys)]
+        rng.shuffle(train_docs)
+        pad = self._pad_id()
+        self.train_rows = pack_documents(train_docs, self.seq_len, pad, self.split_documents)
+        self.val_rows = pack_documents(val_docs, self.seq_len, pad, self.split_documents)
+        if self.max_val_rows is not None:
+            self.val_rows = {k: v[: int(self.max_val_rows)] for k, v in self.val_rows.items()}
+        if len(PackedRows(self.train_rows)) == 0:
+            raise ValueError("no training rows after packing")
+
+    def stats(self) -> dict[str, float]:
+        """Rows and token usage of the packed training set (after `setup`)."""
+        if self.train_rows is None:
+            raise RuntimeError("call setup() first")
+        lm = self.train_rows["loss_mask"]
+        return {
+            "train_rows": int(lm.shape[0]),
+            "val_rows": int(self.val_rows["loss_mask"].shape[0]),
+            "loss_tokens": int(lm.sum()),
+            "loss_token_fraction": float(lm.float().mean()) if lm.numel() else 0.0,
+        }
+
+    # ------------------------------------------------------------------ loaders
+    def state_dict(self) -> dict:
+        """Saved in Lightning checkpoints: where in which epoch training stood (for a mid-epoch resume)."""
+        trainer = getattr(self, "trainer", None)
+        if trainer is None or self._sampler is None:
+            return {}
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        return {"epoch": self._sampler.epoch, "batches_done": int(done), "seed": self.seed}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._resume = dict(state_dict) if state_dict else None
+
+    def train_dataloader(self) -> DataLoader:
+        ds = PackedRows(self.train_rows)
+        sampler = EpochShuffleSampler(len(ds), self.seed)
+        if self._resume and self._resume.get("seed", self.seed) == self.seed:
+            sampler.resume_at(self._resume["epoch"], self._resume["batches_done"] * self.batch_size)
+            self._resume = None
+        self._sampler = sampler
+        return DataLoader(
+            ds,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            num_workers=self.num_workers,
+            drop_last=False,
+        )
+
+    def val_dataloader(self) -> DataLoader | list:
+        if self.val_rows is None or self.val_rows["input_ids"].shape[0] == 0:
+            return []
+        return DataLoader(
+            PackedRows(self.val_rows), batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers
+        )

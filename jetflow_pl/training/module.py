@@ -1,0 +1,302 @@
+"""`DistillationModule`: Lightning wrapper around `distill_step` (DESIGN.md section 3).
+
+The target is frozen and deliberately NOT a registered submodule: it is held in a plain attribute, so
+it is neither optimized nor saved: a Lightning checkpoint holds only the head's weights (`head.*`), and
+the target is re-loaded from `target_path` when the module is rebuilt (e.g. on resume).
+
+Anchors are drawn from a `torch.Generator` re-seeded at every step from `(seed, global_step, micro-batch,
+rank)`, so a run resumed from a checkpoint draws the same anchors at the same step as the original run.
+Validation uses fixed anchors (seeded by `seed` and the batch index) so its numbers are comparable
+across evaluations.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+from lightning.pytorch import LightningModule
+
+from jetflow_pl.head import DraftHead, DraftHeadConfig
+from jetflow_pl.target import TargetModel
+
+from .losses import LOSS_KINDS
+from .metrics import DepthAgreement, SimulatedAcceptanceLength
+from .step import distill_step
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_mask_token_id(target_path: str | Path) -> int | None:
+    """The `<|mask|>` id of the tokenizer saved with the target, else the config's `mask_token_id`."""
+    path = Path(target_path)
+    if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        try:
+            from transformers import AutoTokenizer
+
+            from data_gen.toy.tokenizer import mask_token_id
+
+            return mask_token_id(AutoTokenizer.from_pretrained(str(path), local_files_only=True))
+        except (ImportError, ValueError, OSError):
+            pass
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.from_pretrained(str(path), local_files_only=True), "mask_token_id", None)
+
+
+def step_seed(seed: int, global_step: int, micro_batch: int = 0, rank: int = 0) -> int:
+    """The anchor-sampling seed of one training micro-batch (deterministic, distinct per step/rank)."""
+    return ((int(seed) * 1_000_003 + int(global_step)) * 64 + int(micro_batch)) * 4096 + int(rank)
+
+
+class DistillationModule(LightningModule):
+    """Distill a frozen target into a trainable `DraftHead` with `distill_step`.
+
+    Args:
+        target_path: local HF folder of the target (config + safetensors [+ tokenizer]).
+        num_head_layers: decoder layers of the head.
+        block_size: `[anchor, MASK * (block_size - 1)]`.
+        causal: True = JetFlow causal in-block attention; False = DFlash bidirectional (ablation).
+        mask_token_id: reserved MASK id; default: the target tokenizer's `<|mask|>` (toy tokenizer).
+        target_layer_ids: target layers to tap; default DESIGN.md's formula.
+        init_head_path: start from a saved head (must fit the target) instead of a fresh one.
+        num_anchors: blocks per packed row per step.
+        loss: `forward_kl` | `reverse_kl` | `ce`.
+        temperature: distillation temperature (T^2-scaled loss).
+        decay_gamma: optional exponential per-offset decay `exp(-(k-1)/gamma)`.
+        chunk_size: rows per chunk of the teacher/student vocab projection.
+        lr, weight_decay, warmup_steps, min_lr_ratio: AdamW with linear warmup then cosine decay to
+            `lr * min_lr_ratio` over `trainer.estimated_stepping_batches` (or `max_minutes` of wall-clock,
+            whichever is further along).
+        max_minutes: optional wall-clock horizon of the cosine schedule (for time-bounded runs).
+        seed: seeds the head init and anchor sampling.
+        target_dtype: `float32` | `bfloat16` | `float16` for the frozen target.
+        head_overrides: extra `DraftHeadConfig` fields (e.g. `intermediate_size`).
+        flush_denormal: call `torch.set_flush_denormal(True)` (process-wide) when the module is built,
+            before any torch work, so that the intra-op worker threads created afterwards inherit it.
+            On CPU the near-zero probabilities of the KL loss are denormal floats that can make a step
+            ~15x slower.
+    """
+
+    def __init__(
+        self,
+        target_path: str,
+        num_head_layers: int = 1,
+        block_size: int = 16,
+        causal: bool = True,
+        mask_token_id: int | None = None,
+        target_layer_ids: list[int] | None = None,
+        init_head_path: str | None = None,
+        num_anchors: int = 16,
+        loss: str = "forward_kl",
+        temperature: float = 1.0,
+        decay_gamma: float | None = None,
+        chunk_size: int = 1024,
+        lr: float = 1e-3,
+        weight_decay: float = 0.01,
+        warmup_steps: int = 50,
+        min_lr_ratio: float = 0.1,
+        max_minutes: float | None = None,
+        seed: int = 0,
+        target_dtype: str = "float32",
+        head_overrides: dict | None = None,
+        flush_denormal: bool = True,
+    ) -> None:
+        super().__init__()
+        problems = []
+        if loss not in LOSS_KINDS:
+            problems.append(f"loss must be one of {list(LOSS_KINDS)}, got {loss!r}")
+        if block_size < 2:
+            problems.append(f"block_size must be >= 2 (offset 0 predicts nothing), got {block_size}")
+        if num_head_layers < 1:
+            problems.append(f"num_head_layers must be >= 1, got {num_head_layers}")
+        if num_anchors < 1:
+            problems.append(f"num_anchors must be >= 1, got {num_anchors}")
+        if temperature <= 0:
+            problems.append(f"temperature must be > 0, got {temperature}")
+        if decay_gamma is not None and decay_gamma <= 0:
+            problems.append(f"decay_gamma must be > 0 or null, got {decay_gamma}")
+        if chunk_size < 1:
+            problems.append(f"chunk_size must be >= 1, got {chunk_size}")
+        if lr <= 0:
+            problems.append(f"lr must be > 0, got {lr}")
+        if warmup_steps < 0:
+            problems.append(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if target_dtype not in _DTYPES:
+            problems.append(f"target_dtype must be one of {list(_DTYPES)}, got {target_dtype!r}")
+        path = Path(target_path)
+        if not (path / "config.json").is_file():
+            problems.append(f"target_path {target_path!r} is not a model folder (no config.json)")
+        if problems:
+            raise ValueError("DistillationModule: invalid arguments:\n  " + "\n  ".join(problems))
+        self.save_hyperparameters()
+        if flush_denormal:
+            torch.set_flush_denormal(True)
+
+        target = TargetModel.from_pretrained(path, dtype=_DTYPES[target_dtype])
+        if init_head_path is not None:
+            head = DraftHead.from_pretrained(init_head_path)
+        else:
+            if mask_token_id is None:
+                mask_token_id = default_mask_token_id(path)
+            if mask_token_id is None:
+                raise ValueError(
+                    f"mask_token_id: none given and none found for {target_path!r} (no toy tokenizer with "
+                    "<|mask|>, no config.mask_token_id); pass a reserved id that is neither pad nor EOS"
+                )
+            cfg = DraftHeadConfig.for_target(
+                target.config,
+                num_hidden_layers=num_head_layers,
+                block_size=block_size,
+                causal=causal,
+                mask_token_id=mask_token_id,
+                target_layer_ids=target_layer_ids,
+                **(head_overrides or {}),
+            )
+            torch.manual_seed(seed)
+            head = DraftHead(cfg)
+        # one clear error (every offending field named) before anything trains
+        head.check_compatible(target.config)
+        target.set_taps(head.target_layer_ids)
+        self.head = head
+        # plain attribute, not a submodule: excluded from state_dict, optimizer and device moves
+        object.__setattr__(self, "_target", target)
+        D = head.block_size - 1
+        self.train_agree = DepthAgreement(D)
+        self.train_sim_tau = SimulatedAcceptanceLength(D)
+        self.val_agree = DepthAgreement(D)
+        self.val_sim_tau = SimulatedAcceptanceLength(D)
+        self._t0: float | None = None
+        self._checked_vocab = False
+        self._total_steps: int | None = None
+
+    # ------------------------------------------------------------------ target
+    @property
+    def target(self) -> TargetModel:
+        """The frozen target, moved lazily to this module's device."""
+        t: TargetModel = self.__dict__["_target"]
+        if t.device != self.device:
+            t.to(self.device)
+        return t
+
+    @property
+    def num_depths(self) -> int:
+        return self.head.block_size - 1
+
+    def on_fit_start(self) -> None:
+        self.head.check_compatible(self.target.config)
+        self._t0 = time.monotonic()
+
+    def _check_batch(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        for key in ("input_ids", "loss_mask"):
+            if key not in batch:
+                raise KeyError(f"a distillation batch needs {key!r}; got keys {sorted(batch)}")
+        ids, lm, doc = batch["input_ids"].long(), batch["loss_mask"].bool(), batch.get("doc_ids")
+        if not self._checked_vocab:
+            vocab = int(self.target.vocab_size)
+            if ids.numel() and (int(ids.max()) >= vocab or int(ids.min()) < 0):
+                raise ValueError(
+                    f"input_ids contain ids outside the target vocabulary [0, {vocab - 1}] "
+                    f"(min {int(ids.min())}, max {int(ids.max())}): data and target do not match"
+                )
+            self._checked_vocab = True
+        return ids, lm, doc
+
+    # ------------------------------------------------------------------ steps
+    def _step(self, batch: dict, generator: torch.Generator) -> dict:
+        ids, lm, doc = self._check_batch(batch)
+        hp = self.hparams
+        return distill_step(
+            self.target,
+            self.head,
+            ids,
+            lm,
+            doc,
+            num_anchors=hp.num_anchors,
+            loss_kind=hp.loss,
+            temperature=hp.temperature,
+            decay_gamma=hp.decay_gamma,
+            chunk_size=hp.chunk_size,
+            generator=generator,
+        )
+
+    def anchor_generator(self, batch_idx: int = 0) -> torch.Generator:
+        accum = max(1, int(getattr(self.trainer, "accumulate_grad_batches", 1) or 1)) if self._trainer else 1
+        seed = step_seed(self.hparams.seed, self.global_step, batch_idx % accum, self.global_rank)
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        out = self._step(batch, self.anchor_generator(batch_idx))
+        bsz = int(batch["input_ids"].shape[0])
+        self.log("train/loss", out["loss"], prog_bar=True, batch_size=bsz)
+        rates = self.train_agree(out["agree_correct"], out["agree_total"])
+        sim = self.train_sim_tau(out["agree_correct"], out["agree_total"])
+        self.log("train/sim_tau", sim, prog_bar=True, batch_size=bsz)
+        for d, r in enumerate(rates.tolist(), start=1):
+            self.log(f"train/agree_d{d}", r, batch_size=bsz)
+        self.log("train/blocks", float(out["num_blocks"]), batch_size=bsz)
+        return out["loss"]
+
+    def on_train_epoch_end(self) -> None:
+        self.train_agree.reset()
+        self.train_sim_tau.reset()
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        gen = torch.Generator(device=self.device).manual_seed(
+            step_seed(self.hparams.seed, 0, 0, batch_idx + 1)
+        )
+        out = self._step(batch, gen)
+        bsz = int(batch["input_ids"].shape[0])
+        self.log("val/loss", out["loss"], batch_size=bsz, sync_dist=True)
+        self.val_agree.update(out["agree_correct"], out["agree_total"])
+        self.val_sim_tau.update(out["agree_correct"], out["agree_total"])
+
+    def on_validation_epoch_end(self) -> None:
+        rates = self.val_agree.compute()
+        for d, r in enumerate(rates.tolist(), start=1):
+            self.log(f"val/agree_d{d}", r)
+        self.log("val/sim_tau", self.val_sim_tau.compute(), prog_bar=True)
+        self.val_agree.reset()
+        self.val_sim_tau.reset()
+
+    # ------------------------------------------------------------------ optimization
+    def schedule_factor(self, step: int) -> float:
+        """LR multiplier: linear warmup, then cosine from 1 to `min_lr_ratio`."""
+        hp = self.hparams
+        if step < hp.warmup_steps:
+            return (step + 1) / hp.warmup_steps
+        if self._total_steps is None and self._trainer is not None:
+            est = self.trainer.estimated_stepping_batches
+            self._total_steps = int(est) if est is not None and math.isfinite(est) else 0
+        total = self._total_steps
+        progress = 0.0
+        if total:
+            progress = (step - hp.warmup_steps) / max(1, total - hp.warmup_steps)
+        if hp.max_minutes and self._t0 is not None:
+            progress = max(progress, (time.monotonic() - self._t0) / (60.0 * hp.max_minutes))
+        progress = min(1.0, max(0.0, progress))
+        return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        decay, no_decay = [], []
+        for name, p in self.head.named_parameters():
+            if p.requires_grad:
+                (no_decay if p.ndim < 2 or "norm" in name else decay).append(p)
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp.lr,
+            betas=(0.9, 0.95),
+        )
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, self.schedule_factor)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # ------------------------------------------------------------------ checkpoints
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # belt and braces: only head weights (and metric states, which hold no tensors of the target)
+        sd = checkpoint.get("state_dict", {})
+        for key in [k for k in sd if not k.startswith("head.")]:
+            if not any(key.startswith(p) for p in ("train_", "val_")):
+                del sd[key]
