@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--head", type=Path, default=None)
     p.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128, 256])
     p.add_argument("--width", type=int, default=4)
+    p.add_argument("--refine-factor", type=int, default=0, help="branch-conditioned refinement (0 = off)")
     p.add_argument("--domains", nargs="+", default=list(DOMAINS), choices=DOMAINS)
     p.add_argument("--n-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -62,6 +63,8 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "command": " ".join(["python", "bench/decode.py", *(argv if argv is not None else sys.argv[1:])]),
         "head": str(args.head) if args.head else "untrained (random init)",
+        "width": args.width,
+        "refine_factor": args.refine_factor,
         "domains": {},
     }
     for domain in args.domains:
@@ -70,7 +73,9 @@ def main(argv: list[str] | None = None) -> dict:
         ar_tps = _tokens_per_s(ar_runs)
         row = {"ar": {"decode_tokens_per_s": ar_tps}, "speculative": {}}
         for budget in args.budgets:
-            gen = SpeculativeGenerator(spec_backend, budget=budget, width=args.width, eos_token_id=eos)
+            gen = SpeculativeGenerator(
+                spec_backend, budget, args.width, eos_token_id=eos, refine_factor=args.refine_factor
+            )
             runs = [gen.generate(ids, args.max_new_tokens) for ids in prompts]
             mismatches = sum(r.tokens != a.tokens for r, a in zip(runs, ar_runs, strict=True))
             tps = _tokens_per_s(runs)
