@@ -121,6 +121,40 @@ def _hf_alone(model, prompt: list[int], max_new: int, stop_ids: list[int]) -> li
 
 
 # ---------------------------------------------------------------------------------------------- exactness
+
+
+def predict_config(tmp_path, out, target_dir, tokenizer_dir, source: str, max_new_tokens: int) -> dict:
+    """A LightningCLI predict config for a regeneration run into `out` (shards of 2 rows)."""
+    return {
+        "return_predictions": False,
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 1,
+            "logger": False,
+            "enable_progress_bar": False,
+            "default_root_dir": str(tmp_path / "logs"),
+            "callbacks": [
+                {
+                    "class_path": "data_gen.regenerate.writer.RegenerationWriter",
+                    "init_args": {"output_dir": str(out), "shard_size": 2},
+                }
+            ],
+        },
+        "model": {
+            "class_path": "data_gen.regenerate.module.RegenerationModule",
+            "init_args": {
+                "target_path": str(target_dir),
+                "tokenizer_path": str(tokenizer_dir),
+                "max_new_tokens": max_new_tokens,
+            },
+        },
+        "data": {
+            "class_path": "data_gen.regenerate.prompts.PromptDataModule",
+            "init_args": {"source": source, "batch_size": 2},
+        },
+    }
+
+
 def test_greedy_batched_generation_equals_hf_generate_alone(module):
     """Left padding, length buckets and rows leaving the batch at different steps change no token."""
     dm = PromptDataModule("toy:all:heldout:4", batch_size=5)
@@ -369,34 +403,7 @@ def test_sigkill_mid_run_then_rerun_gives_every_id_once(tmp_path, rg_target_dir,
     import datasets
 
     out = tmp_path / "out"
-    cfg = {
-        "return_predictions": False,
-        "trainer": {
-            "accelerator": "cpu",
-            "devices": 1,
-            "logger": False,
-            "enable_progress_bar": False,
-            "default_root_dir": str(tmp_path / "logs"),
-            "callbacks": [
-                {
-                    "class_path": "data_gen.regenerate.writer.RegenerationWriter",
-                    "init_args": {"output_dir": str(out), "shard_size": 2},
-                }
-            ],
-        },
-        "model": {
-            "class_path": "data_gen.regenerate.module.RegenerationModule",
-            "init_args": {
-                "target_path": str(rg_target_dir),
-                "tokenizer_path": str(rg_tokenizer_dir),
-                "max_new_tokens": 48,
-            },
-        },
-        "data": {
-            "class_path": "data_gen.regenerate.prompts.PromptDataModule",
-            "init_args": {"source": "toy:math:heldout:24", "batch_size": 2},
-        },
-    }
+    cfg = predict_config(tmp_path, out, rg_target_dir, rg_tokenizer_dir, "toy:math:heldout:24", 48)
     config = tmp_path / "regen.yaml"
     config.write_text(json.dumps(cfg))  # JSON is YAML
     cmd = [sys.executable, "-m", "jetflow_pl", "predict", "--config", str(config)]
@@ -446,35 +453,8 @@ def test_ddp_two_cpu_ranks_write_own_shards_and_merge_once(tmp_path, rg_target_d
     import datasets
 
     out = tmp_path / "out"
-    cfg = {
-        "return_predictions": False,
-        "trainer": {
-            "accelerator": "cpu",
-            "devices": 2,
-            "strategy": "ddp",
-            "logger": False,
-            "enable_progress_bar": False,
-            "default_root_dir": str(tmp_path / "logs"),
-            "callbacks": [
-                {
-                    "class_path": "data_gen.regenerate.writer.RegenerationWriter",
-                    "init_args": {"output_dir": str(out), "shard_size": 2},
-                }
-            ],
-        },
-        "model": {
-            "class_path": "data_gen.regenerate.module.RegenerationModule",
-            "init_args": {
-                "target_path": str(rg_target_dir),
-                "tokenizer_path": str(rg_tokenizer_dir),
-                "max_new_tokens": 8,
-            },
-        },
-        "data": {
-            "class_path": "data_gen.regenerate.prompts.PromptDataModule",
-            "init_args": {"source": "toy:math:heldout:9", "batch_size": 2},
-        },
-    }
+    cfg = predict_config(tmp_path, out, rg_target_dir, rg_tokenizer_dir, "toy:math:heldout:9", 8)
+    cfg["trainer"].update(devices=2, strategy="ddp")
     config = tmp_path / "ddp.yaml"
     config.write_text(json.dumps(cfg))
     cmd = [sys.executable, "-m", "jetflow_pl", "predict", "--config", str(config)]
