@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 
 from data_gen.toy.splits import DOMAINS, heldout_prompts
-from data_gen.toy.tokenizer import mask_token_id, prompt_ids
+from data_gen.toy.tokenizer import prompt_ids
 from jetflow_pl.decoding import ARGenerator, SpeculativeGenerator
 from jetflow_pl.decoding.torch_backend import TorchBackend
-from jetflow_pl.head import DraftHead, DraftHeadConfig
+from jetflow_pl.generate_cli import load_head_or_untrained
 from jetflow_pl.target import TargetModel
 
 
@@ -45,11 +45,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
     target = TargetModel.from_pretrained(args.target)
-    if args.head is not None:
-        head = DraftHead.from_pretrained(args.head)
-    else:
-        torch.manual_seed(0)
-        head = DraftHead(DraftHeadConfig.for_target(target.config, mask_token_id=mask_token_id(tokenizer)))
+    head = load_head_or_untrained(args.head, target, tokenizer)
     eos = tokenizer.eos_token_id
     ar = ARGenerator(TorchBackend(target), eos)
     spec_backend = TorchBackend(target, head)

@@ -45,6 +45,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def load_head_or_untrained(head_dir: Path | None, target: TargetModel, tokenizer) -> DraftHead:
+    """The head saved in `head_dir`, or (None) a seeded random head fitted to `target` and the toy mask token.
+
+    A random head drafts badly but decoding stays exact: it shows the loop's floor, not the method.
+    """
+    if head_dir is not None:
+        return DraftHead.from_pretrained(head_dir)
+    torch.manual_seed(0)
+    return DraftHead(DraftHeadConfig.for_target(target.config, mask_token_id=mask_token_id(tokenizer)))
+
+
 def _encode(tokenizer, text: str, chat: bool) -> list[int]:
     if chat and tokenizer.chat_template:
         return prompt_ids(tokenizer, text)
@@ -77,13 +88,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     target = TargetModel.from_pretrained(args.target, device=args.device)
     tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
     target.check_tokenizer(tokenizer)
-    if args.head is not None:
-        head = DraftHead.from_pretrained(args.head).to(args.device)
-    else:
+    if args.head is None:
         print("note: no --head given; drafting with an untrained (random) head", file=sys.stderr)
-        torch.manual_seed(0)
-        head = DraftHead(DraftHeadConfig.for_target(target.config, mask_token_id=mask_token_id(tokenizer)))
-        head = head.to(args.device)
+    head = load_head_or_untrained(args.head, target, tokenizer).to(args.device)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
     eos = tokenizer.eos_token_id
     policy = Top2GapCap(args.gap_cap) if args.gap_cap is not None else None

@@ -26,6 +26,7 @@ from typing import Literal
 import lightning as L
 import torch
 
+from data_gen.toy.tokenizer import chat_ids
 from jetflow_pl.errors import UserInputError
 
 OverlongPolicy = Literal["error", "skip", "truncate"]
@@ -148,12 +149,12 @@ def _local_rows(path: Path, split: str) -> list[dict]:
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Ids of `messages` under the tokenizer's chat template with an opened assistant turn.
 
-    For a single user message this is exactly `data_gen.toy.tokenizer.prompt_ids`.
+    Checks for a template (a user error when missing), then formats with `data_gen.toy.tokenizer.chat_ids`,
+    the same code `prompt_ids` uses for a single user message.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise PromptSourceError("the tokenizer has no chat template: prompts cannot be chat-formatted")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return chat_ids(tokenizer, messages)
 
 
 def _where(i: int, row: dict, id_field: str) -> str:

@@ -95,12 +95,15 @@ def mask_token_id(tokenizer) -> int:
     return int(tid)
 
 
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of `messages` under the chat template, ending with an opened assistant turn."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def prompt_ids(tokenizer, prompt: str) -> list[int]:
     """Token ids of the chat-formatted prompt: user turn + assistant generation prompt."""
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-    )
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return chat_ids(tokenizer, [{"role": "user", "content": prompt}])
 
 
 def format_example(tokenizer, prompt: str, response: str) -> tuple[list[int], list[bool]]:
