@@ -1,0 +1,108 @@
+"""`jetflow::tree_attention`: the one tree-causal attention contract (torch, ONNX, TensorRT, Triton).
+
+Semantics (DESIGN.md sections 4-5). Per batch row and query head `h` (KV head `h // (Hq / Hkv)`, GQA):
+
+    out[i] = softmax_j(scale * q[i] . K[j]) V[j]   over  j in {all P prefix rows} U {tree rows t : bit t of
+                                                                                 packed_mask[i] is set}
+
+Shapes:
+    query        [B, Hq,  N, d]   the new rows (tree nodes, or draft-block rows)
+    past_key     [B, Hkv, P, d]   the KV prefix (always visible; P may be 0)
+    past_value   [B, Hkv, P, d]
+    key, value   [B, Hkv, N, d]   K/V of the new rows themselves
+    packed_mask  int32 [N, ceil(N/32)]  the TensorRT-LLM packed layout: row i, word w, bit b (LSB first)
+                 set iff new row 32w+b is visible from row i (ancestor-or-self). Shared by the batch.
+    scale        the softmax scale (usually d ** -0.5)
+    returns      [B, Hq, N, d]
+
+The same contract is the ONNX node `jetflow::TreeAttention` (see `export/`), the TensorRT plugin
+`TreeAttention` (see `trt_plugins/`) and the Triton kernel. `tree_attention_reference` is written with
+export-friendly ops only (bitwise AND against constant bit weights, no shifts of unsigned types, no
+data-dependent shapes), so the same function is the body of the `portable` ONNX graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_WORD_BITS = 32
+
+
+def _bit_weights(device: torch.device) -> Tensor:
+    """int32 `[32]`: `1 << b` in two's complement (bit 31 is `-2**31`)."""
+    w = [1 << b for b in range(_WORD_BITS - 1)] + [-(2**31)]
+    return torch.tensor(w, dtype=torch.int32, device=device)
+
+
+def packed_mask_to_dense(packed_mask: Tensor, n: int | torch.SymInt | None = None) -> Tensor:
+    """int32 `[..., W]` -> bool `[..., n]` (n defaults to the size of dim -2, i.e. a square tree mask).
+
+    Written with `bitwise_and` against constant weights so it exports to ONNX `BitwiseAnd` (opset 18)
+    and traces with symbolic sizes.
+    """
+    if packed_mask.dtype != torch.int32:
+        raise ValueError(f"packed_mask must be int32, got {packed_mask.dtype}")
+    if n is None:
+        n = packed_mask.shape[-2]
+    bits = torch.bitwise_and(packed_mask.unsqueeze(-1), _bit_weights(packed_mask.device)) != 0
+    bits = bits.flatten(-2)
+    return bits[..., :n]
+
+
+def _check_shapes(query: Tensor, past_key: Tensor, past_value: Tensor, key: Tensor, value: Tensor) -> None:
+    if query.dim() != 4 or key.dim() != 4 or past_key.dim() != 4:
+        raise ValueError("query, key and past_key must be 4-D [B, heads, rows, head_dim]")
+    if key.shape != value.shape or past_key.shape != past_value.shape:
+        raise ValueError(
+            f"key/value shapes differ: {tuple(key.shape)} vs {tuple(value.shape)}, "
+            f"past {tuple(past_key.shape)} vs {tuple(past_value.shape)}"
+        )
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(f"query heads {query.shape[1]} must be a multiple of KV heads {key.shape[1]} (GQA)")
+
+
+def tree_attention_reference(
+    query: Tensor,
+    past_key: Tensor,
+    past_value: Tensor,
+    key: Tensor,
+    value: Tensor,
+    packed_mask: Tensor,
+    scale: float,
+) -> Tensor:
+    """Reference implementation (SDPA with a dense boolean mask); see the module docstring."""
+    _check_shapes(query, past_key, past_value, key, value)
+    b, hq, n, d = query.shape
+    hkv = key.shape[1]
+    group = hq // hkv
+    keys = torch.cat([past_key.to(query.dtype), key], dim=2)
+    values = torch.cat([past_value.to(query.dtype), value], dim=2)
+    if group > 1:  # GQA: expand + reshape (exports as Expand/Reshape; no repeat_interleave)
+        total = keys.shape[2]
+        keys = keys[:, :, None].expand(b, hkv, group, total, d).reshape(b, hq, total, d)
+        values = values[:, :, None].expand(b, hkv, group, total, d).reshape(b, hq, total, d)
+    tree_visible = packed_mask_to_dense(packed_mask, n)  # [N, N]
+    prefix_visible = torch.ones_like(tree_visible[:, :1]).expand(n, past_key.shape[2])
+    visible = torch.cat([prefix_visible, tree_visible], dim=1)  # [N, P + N]
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=scale)
+
+
+@torch.library.custom_op("jetflow::tree_attention", mutates_args=())
+def tree_attention(
+    query: Tensor,
+    past_key: Tensor,
+    past_value: Tensor,
+    key: Tensor,
+    value: Tensor,
+    packed_mask: Tensor,
+    scale: float,
+) -> Tensor:
+    """`torch.ops.jetflow.tree_attention`: an opaque node for export; computes the reference on eager."""
+    return tree_attention_reference(query, past_key, past_value, key, value, packed_mask, scale)
+
+
+@tree_attention.register_fake
+def _tree_attention_fake(query, past_key, past_value, key, value, packed_mask, scale):  # noqa: ARG001
+    return torch.empty_like(query)
