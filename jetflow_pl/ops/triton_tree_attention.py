@@ -1,0 +1,327 @@
+"""A Triton kernel for the `jetflow::tree_attention` contract (see `tree_attention.py` for the semantics).
+
+Why a Triton kernel next to the CUDA plugin: it is the quickest way to run the exact contract on a GPU
+from Python (benchmarks, the torch backend), and under `TRITON_INTERPRET=1` the very same kernel source
+runs on CPU tensors, so its indexing and masking are tested on machines without a GPU.
+
+Design (one program = one tile of BLOCK_M query rows of one (batch row, KV head)):
+
+* GQA packing: the `group = Hq / Hkv` query heads that share a KV head are stacked along the row axis
+  (row r -> query head `hkv * group + r // N`, node `r % N`), so each K/V tile is loaded once per group
+  instead of once per query head.
+* Two passes over keys with one online softmax (fp32 running max / sum / accumulator, base-2 exponent
+  with `scale * log2(e)` folded into the logits): the prefix `past_*` (every row visible, only bounds
+  masking) and then the tree keys, whose visibility bits are read straight from the packed int32 mask
+  (row i, word j // 32, bit j % 32) - no dense mask is ever built.
+* Tree tiles whose visibility bits are all zero for the current rows are skipped (for ancestor masks
+  that is every tile above the diagonal).
+* A row that sees nothing (P = 0 and an empty mask row; never the case for a tree, whose rows see
+  themselves) returns zeros, as the reference does.
+* fp32 inputs use `input_precision="ieee"` by default (no TF32), so fp32 results match the reference to
+  ~1e-6; fp16/bf16 inputs use tensor cores with fp32 accumulation (probabilities are cast to the value
+  dtype before the P @ V product, the usual flash-attention trade-off).
+
+Triton is optional: it is imported on the first call. `TRITON_INTERPRET` is read by `triton.jit` when
+the kernel is wrapped, which here happens lazily and separately per mode, so setting the variable any
+time before the first call in a process is enough.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .tree_attention import _check_shapes
+
+__all__ = ["is_triton_available", "tree_attention_triton"]
+
+_WORD_BITS = 32
+_LOG2E = 1.4426950408889634
+
+# Filled by `_load_triton()`. The kernel body below resolves `tl` from this module's globals (the
+# interpreter also looks for it there), so it must be a module global, not a local import.
+triton: Any = None
+tl: Any = None
+_KERNELS: dict[bool, Any] = {}
+
+
+def is_triton_available() -> bool:
+    """True when `import triton` works (it does not say whether a GPU is present)."""
+    try:
+        _load_triton()
+    except ImportError:
+        return False
+    return True
+
+
+def _load_triton() -> None:
+    global triton, tl
+    if tl is not None:
+        return
+    try:
+        import triton as _triton
+        import triton.language as _tl
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "tree_attention_triton needs the `triton` package (pip install triton; on CPU-only machines "
+            "run it with TRITON_INTERPRET=1). Use jetflow_pl.ops.tree_attention.tree_attention_reference "
+            f"instead where triton is unavailable. Original error: {exc}"
+        ) from exc
+    triton, tl = _triton, _tl
+
+
+def _interpret_mode() -> bool:
+    """Whether `triton.jit` would build an interpreted kernel now (triton's own knob, else the env var)."""
+    try:
+        return bool(triton.knobs.runtime.interpret)
+    except AttributeError:  # older triton without `knobs`
+        return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _kernel() -> Any:
+    """The jitted kernel for the current mode (compiled vs interpreted), wrapped on first use."""
+    _load_triton()
+    interpret = _interpret_mode()
+    if interpret not in _KERNELS:
+        # `triton.jit` picks InterpretedFunction vs JITFunction from knobs.runtime.interpret, which
+        # reads TRITON_INTERPRET at this moment.
+        _KERNELS[interpret] = triton.jit(_tree_attention_kernel)
+    return _KERNELS[interpret]
+
+
+def _tree_attention_kernel(
+    Q,
+    PK,
+    PV,
+    K,
+    V,
+    MASK,
+    OUT,
+    sq_b,
+    sq_h,
+    sq_n,
+    sq_d,
+    spk_b,
+    spk_h,
+    spk_p,
+    spk_d,
+    spv_b,
+    spv_h,
+    spv_p,
+    spv_d,
+    sk_b,
+    sk_h,
+    sk_n,
+    sk_d,
+    sv_b,
+    sv_h,
+    sv_n,
+    sv_d,
+    so_b,
+    so_h,
+    so_n,
+    so_d,
+    sm_n,
+    sm_w,
+    N,
+    P,
+    D,
+    HKV,
+    qk_scale,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """Kernel body (wrapped by `triton.jit` lazily in `_kernel`); see the module docstring."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HKV
+    hkv = pid_bh % HKV
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # packed (query head in group, node) rows
+    row_ok = rows < GROUP * N
+    node = rows % N
+    hq = hkv * GROUP + rows // N
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+
+    q_ptrs = Q + b * sq_b + hq[:, None] * sq_h + node[:, None] * sq_n + offs_d[None, :] * sq_d
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # ---- pass 1: the KV prefix, visible from every row --------------------------------------------
+    pk_base = PK + b * spk_b + hkv * spk_h
+    pv_base = PV + b * spv_b + hkv * spv_h
+    for start in range(0, P, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < P
+        kt = tl.load(
+            pk_base + cols[None, :] * spk_p + offs_d[:, None] * spk_d,
+            mask=d_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )  # [BLOCK_D, BLOCK_N]
+        s = tl.dot(q, kt, input_precision=INPUT_PRECISION) * qk_scale
+        s = tl.where(col_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            pv_base + cols[:, None] * spv_p + offs_d[None, :] * spv_d,
+            mask=col_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        m_i = m_new
+
+    # ---- pass 2: the tree keys, visible where the packed mask bit is set ---------------------------
+    k_base = K + b * sk_b + hkv * sk_h
+    v_base = V + b * sv_b + hkv * sv_h
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        words = tl.load(
+            MASK + node[:, None] * sm_n + (cols // 32)[None, :] * sm_w,
+            mask=row_ok[:, None] & col_ok[None, :],
+            other=0,
+        )
+        visible = ((words >> (cols % 32)[None, :]) & 1) != 0  # arithmetic shift is fine: we keep bit 0
+        if tl.max(visible.to(tl.int32)) > 0:
+            kt = tl.load(
+                k_base + cols[None, :] * sk_n + offs_d[:, None] * sk_d,
+                mask=d_ok[:, None] & col_ok[None, :],
+                other=0.0,
+            )
+            s = tl.dot(q, kt, input_precision=INPUT_PRECISION) * qk_scale
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_base + cols[:, None] * sv_n + offs_d[None, :] * sv_d,
+                mask=col_ok[:, None] & d_ok[None, :],
+                other=0.0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+            m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # rows that saw nothing: acc is 0 -> 0
+    o_ptrs = OUT + b * so_b + hq[:, None] * so_h + node[:, None] * so_n + offs_d[None, :] * so_d
+    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _default_blocks(rows: int, head_dim_block: int, dtype: torch.dtype, interpret: bool) -> tuple[int, int]:
+    """Tile sizes. Compiled: 64x64 (64x32 for fp32 with d > 64, to keep the fp32 tiles in registers).
+
+    Interpreted: larger tiles, because the interpreter's cost is per Triton op, not per element.
+    """
+    if interpret:
+        block_m = min(128, max(16, _next_pow2(rows)))
+        return block_m, 128
+    block_m = 64 if rows > 32 else max(16, _next_pow2(rows))
+    block_n = 32 if (dtype == torch.float32 and head_dim_block > 64) else 64
+    return block_m, block_n
+
+
+def tree_attention_triton(
+    query: Tensor,
+    past_key: Tensor,
+    past_value: Tensor,
+    key: Tensor,
+    value: Tensor,
+    packed_mask: Tensor,
+    scale: float,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    input_precision: str = "ieee",
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> Tensor:
+    """`jetflow::tree_attention` with the Triton kernel; same arguments and result as the reference.
+
+    Keyword-only knobs (tests and benchmarks): `block_m` / `block_n` tile sizes (powers of two >= 16),
+    `input_precision` for fp32 inputs ("ieee" exact, "tf32" faster), `num_warps` / `num_stages` for the
+    compiled kernel (ignored by the interpreter).
+
+    Tensors must be CUDA tensors for the compiled kernel, or any tensors with `TRITON_INTERPRET=1`.
+    Key/value tensors of another dtype than `query` are cast to it (as the reference does for the
+    prefix). Arbitrary strides are supported (no copies), e.g. K/V views into a larger cache.
+    """
+    kernel = _kernel()  # raises the ImportError first when triton is missing
+    interpret = _interpret_mode()
+    _check_shapes(query, past_key, past_value, key, value)
+    b, hq, n, d = query.shape
+    hkv, p = key.shape[1], past_key.shape[2]
+    if key.shape[0] != b or key.shape[2] != n or key.shape[3] != d:
+        raise ValueError(f"key shape {tuple(key.shape)} does not match query {tuple(query.shape)}")
+    if past_key.shape[0] != b or past_key.shape[1] != hkv or past_key.shape[3] != d:
+        raise ValueError(f"past_key shape {tuple(past_key.shape)} does not match key {tuple(key.shape)}")
+    if packed_mask.dtype != torch.int32:
+        raise ValueError(f"packed_mask must be int32, got {packed_mask.dtype}")
+    words = (n + _WORD_BITS - 1) // _WORD_BITS
+    if packed_mask.dim() != 2 or packed_mask.shape[0] != n or packed_mask.shape[1] < words:
+        raise ValueError(f"packed_mask must be [N={n}, >= {words}] int32, got {tuple(packed_mask.shape)}")
+    if not query.is_floating_point() or query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"query dtype must be float32, float16 or bfloat16, got {query.dtype}")
+
+    dtype, device = query.dtype, query.device
+    key, value = key.to(dtype), value.to(dtype)
+    past_key, past_value = past_key.to(dtype), past_value.to(dtype)
+    if p == 0:  # never read; avoids handing the launcher a null pointer of an empty tensor
+        past_key, past_value = key, value
+    mask = packed_mask.to(device)
+    out = torch.empty_like(query)
+    if out.numel() == 0:
+        return out
+
+    group = hq // hkv
+    block_d = max(16, _next_pow2(d))
+    auto_m, auto_n = _default_blocks(group * n, block_d, dtype, interpret)
+    block_m = block_m or auto_m
+    block_n = block_n or auto_n
+    grid = (triton.cdiv(group * n, block_m), b * hkv)
+    kernel[grid](
+        query,
+        past_key,
+        past_value,
+        key,
+        value,
+        mask,
+        out,
+        *query.stride(),
+        *past_key.stride(),
+        *past_value.stride(),
+        *key.stride(),
+        *value.stride(),
+        *out.stride(),
+        *mask.stride(),
+        n,
+        p,
+        d,
+        hkv,
+        float(scale) * _LOG2E,
+        GROUP=group,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        INPUT_PRECISION=input_precision,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out
