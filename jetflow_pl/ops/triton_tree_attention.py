@@ -137,7 +137,14 @@ def _tree_attention_kernel(
     BLOCK_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
-    """Kernel body (wrapped by `triton.jit` lazily in `_kernel`); see the module docstring."""
+    """Kernel body (wrapped by `triton.jit` lazily in `_kernel`); see the module docstring.
+
+    Only `triton.language` builtins are called here, and reductions go through `tl.reduce` with
+    triton's own max / sum combiners: the jit-defined helpers (`tl.max`, `tl.sum`, `tl.zeros`) are
+    built in the mode that was active when triton was first imported, so calling them would tie the
+    interpreter to `TRITON_INTERPRET` being set before any `import triton` in the process, while
+    `tl.reduce` with these combiners takes the interpreter's numpy fast path in either case.
+    """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // HKV
@@ -154,8 +161,8 @@ def _tree_attention_kernel(
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
 
     # ---- pass 1: the KV prefix, visible from every row --------------------------------------------
     pk_base = PK + b * spk_b + hkv * spk_h
@@ -170,11 +177,11 @@ def _tree_attention_kernel(
         )  # [BLOCK_D, BLOCK_N]
         s = tl.dot(q, kt, input_precision=INPUT_PRECISION) * qk_scale
         s = tl.where(col_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
         v = tl.load(
             pv_base + cols[:, None] * spv_p + offs_d[None, :] * spv_d,
             mask=col_ok[:, None] & d_ok[None, :],
@@ -195,7 +202,8 @@ def _tree_attention_kernel(
             other=0,
         )
         visible = ((words >> (cols % 32)[None, :]) & 1) != 0  # arithmetic shift is fine: we keep bit 0
-        if tl.max(visible.to(tl.int32)) > 0:
+        any_row = tl.reduce(visible.to(tl.int32), 1, tl.standard._elementwise_max)
+        if tl.reduce(any_row, 0, tl.standard._elementwise_max) > 0:
             kt = tl.load(
                 k_base + cols[None, :] * sk_n + offs_d[:, None] * sk_d,
                 mask=d_ok[:, None] & col_ok[None, :],
@@ -203,11 +211,11 @@ def _tree_attention_kernel(
             )
             s = tl.dot(q, kt, input_precision=INPUT_PRECISION) * qk_scale
             s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
             v = tl.load(
                 v_base + cols[:, None] * sv_n + offs_d[None, :] * sv_d,
                 mask=col_ok[:, None] & d_ok[None, :],
