@@ -1,11 +1,32 @@
-"""Errors that mean "the user's input is wrong", as opposed to a bug.
+"""Errors that mean "the user's input is wrong" (or the machine is), as opposed to a bug.
 
-The command line prints these as one line (`error: ...`) with exit status 2 instead of a traceback;
-anything else still shows its traceback, because then the fault is ours.
+The command line prints these as one line (`error: ...`) instead of a traceback; anything else still
+shows its traceback, because then the fault is ours. `docs/FAILURES.md` lists every such failure and its
+message. All of them subclass a built-in (ValueError, RuntimeError, ...) so library callers who catch
+the built-in keep working.
 """
 
 from __future__ import annotations
 
 
 class UserInputError(ValueError):
-    """Bad configuration, data or paths: the message says what and where."""
+    """Bad configuration, data or paths: the message says what and where. CLI exit status 2."""
+
+
+class MissingPathError(UserInputError, FileNotFoundError):
+    """A path the user gave does not exist (also a FileNotFoundError for library callers)."""
+
+
+class CheckpointError(UserInputError):
+    """A weights file cannot be used: corrupt or truncated safetensors, or not safetensors at all.
+
+    The message names the file, so a multi-file checkpoint points at the one to re-copy.
+    """
+
+
+class NumericalError(RuntimeError):
+    """NaN/inf where a finite number is required (e.g. a float16 overflow in the draft head).
+
+    Not a user-input error, but not a bug in the code either: the model and dtype produce it, and the
+    message says which stage and what to change. CLI exit status 1, one line.
+    """

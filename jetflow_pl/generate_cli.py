@@ -17,11 +17,43 @@ from pathlib import Path
 import torch
 
 from data_gen.toy.tokenizer import mask_token_id, prompt_ids
+from jetflow_pl.checkpoints import load_draft_head
 from jetflow_pl.decoding import ARGenerator, SamplingConfig, SpeculativeGenerator
 from jetflow_pl.decoding.torch_backend import TorchBackend
+from jetflow_pl.errors import MissingPathError, NumericalError, UserInputError
 from jetflow_pl.head import DraftHead, DraftHeadConfig
 from jetflow_pl.target import TargetModel
 from jetflow_pl.tree import Top2GapCap
+
+
+def _int_at_least(lo: int):
+    """An argparse type: an int >= lo, so `--budget -1` fails at parse time naming the flag."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
+        return value
+
+    return parse
+
+
+def _float_in(lo: float, hi: float, lo_open: bool = False):
+    """An argparse type: a float in [lo, hi] ((lo, hi] with lo_open)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (lo < value if lo_open else lo <= value) or not value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}")
+        return value
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,13 +63,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     p.add_argument("--prompts-file", type=Path, default=None, help="a text file with one prompt per line")
     p.add_argument("--no-chat-template", action="store_true", help="feed prompts raw, without the template")
-    p.add_argument("--budget", type=int, default=64, help="draft tokens per tree (root excluded)")
-    p.add_argument("--width", type=int, default=4, help="children per expanded node")
-    p.add_argument("--gap-cap", type=float, default=None, help="one child where top1-top2 logprob gap > this")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument(
+        "--budget", type=_int_at_least(0), default=64, help="draft tokens per tree (root excluded); 0 = AR"
+    )
+    p.add_argument("--width", type=_int_at_least(1), default=4, help="children per expanded node")
+    p.add_argument(
+        "--gap-cap",
+        type=_float_in(0.0, float("inf")),
+        default=None,
+        help="one child where top1-top2 logprob gap > this",
+    )
+    p.add_argument("--max-new-tokens", type=_int_at_least(0), default=128)
+    p.add_argument("--temperature", type=_float_in(0.0, float("inf")), default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=_int_at_least(0), default=0)
+    p.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default="cpu")
     p.add_argument("--compare", action="store_true", help="also time AR decoding and HF generate()")
@@ -51,7 +90,7 @@ def load_head_or_untrained(head_dir: Path | None, target: TargetModel, tokenizer
     A random head drafts badly but decoding stays exact: it shows the loop's floor, not the method.
     """
     if head_dir is not None:
-        return DraftHead.from_pretrained(head_dir)
+        return load_draft_head(head_dir)
     torch.manual_seed(0)
     return DraftHead(DraftHeadConfig.for_target(target.config, mask_token_id=mask_token_id(tokenizer)))
 
@@ -76,21 +115,46 @@ def _hf_decode_tokens_per_s(model, ids: list[int], max_new: int, eos) -> tuple[l
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Parse flags (bad flags exit 2 naming the flag) and run; user and numerical errors are one line."""
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except UserInputError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except NumericalError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+
+
+def _load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise UserInputError(f"cannot load a tokenizer from {path}: {type(err).__name__}: {err}") from err
+
+
+def _run(args: argparse.Namespace) -> int:
     prompts = list(args.prompt)
     if args.prompts_file is not None:
+        if not args.prompts_file.is_file():
+            raise MissingPathError(f"--prompts-file {args.prompts_file} does not exist")
         prompts += [ln for ln in args.prompts_file.read_text().splitlines() if ln.strip()]
     if not prompts:
         print("jetflow-generate: give at least one --prompt or --prompts-file", file=sys.stderr)
         return 2
     target = TargetModel.from_pretrained(args.target, device=args.device)
-    tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
+    tokenizer = _load_tokenizer(args.target)
     target.check_tokenizer(tokenizer)
     if args.head is None:
         print("note: no --head given; drafting with an untrained (random) head", file=sys.stderr)
     head = load_head_or_untrained(args.head, target, tokenizer).to(args.device)
+    try:
+        head.check_compatible(target.config)  # before any decoding, naming every mismatched field
+    except ValueError as err:
+        raise UserInputError(f"{args.head}: {err}") from err
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
     eos = tokenizer.eos_token_id
     policy = Top2GapCap(args.gap_cap) if args.gap_cap is not None else None

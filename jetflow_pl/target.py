@@ -17,6 +17,9 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache
 
+from jetflow_pl.checkpoints import check_safetensors_dir
+from jetflow_pl.errors import MissingPathError, UserInputError
+
 #: Architectures whose module layout (`model.layers`, `model.norm`, `model.embed_tokens`, `lm_head`) and
 #: cache semantics this wrapper has been checked against.
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
@@ -43,25 +46,25 @@ class TargetOutput:
 
 def _read_config(path: Path) -> PretrainedConfig:
     if not path.exists():
-        raise FileNotFoundError(f"target model path does not exist: {path}")
+        raise MissingPathError(f"target model path does not exist: {path}")
     if not (path / "config.json").is_file():
-        raise ValueError(f"{path} is not a Hugging Face model directory: it has no config.json")
+        raise UserInputError(f"{path} is not a Hugging Face model directory: it has no config.json")
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as err:
-        raise ValueError(f"cannot read the model config in {path}: {err}") from err
+        raise UserInputError(f"cannot read the model config in {path}: {err}") from err
 
 
 def check_supported(config: PretrainedConfig, where: str = "target") -> None:
     """Reject architectures this wrapper does not know, with one clear message."""
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
+        raise UserInputError(
             f"unsupported {where} architecture {model_type!r}: jetflow_pl supports causal LMs of type "
             f"{', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(f"{where} is an encoder-decoder model; a decoder-only causal LM is required")
+        raise UserInputError(f"{where} is an encoder-decoder model; a decoder-only causal LM is required")
 
 
 class TargetModel(nn.Module):
@@ -99,10 +102,15 @@ class TargetModel(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ) -> TargetModel:
-        """Load a local HF causal LM (safetensors, no remote code) as a frozen target."""
+        """Load a local HF causal LM (safetensors only, no remote code) as a frozen target.
+
+        The weight files are checked first (`check_safetensors_dir`), so a corrupt, truncated or
+        pickle-only checkpoint fails with one message naming the file instead of deep inside HF.
+        """
         path = Path(path)
         config = _read_config(path)
         check_supported(config)
+        check_safetensors_dir(path, "target")
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, local_files_only=True, trust_remote_code=False, use_safetensors=True
         )
@@ -113,12 +121,12 @@ class TargetModel(nn.Module):
         ids = tuple(int(i) for i in tap_layer_ids)
         for i in ids:
             if not 0 <= i < self.num_layers:
-                raise ValueError(
+                raise UserInputError(
                     f"target layer id {i} is out of range: the target has {self.num_layers} decoder "
                     f"layers (valid ids 0..{self.num_layers - 1})"
                 )
         if len(set(ids)) != len(ids):
-            raise ValueError(f"target layer ids must be distinct, got {list(ids)}")
+            raise UserInputError(f"target layer ids must be distinct, got {list(ids)}")
         for hook in self._hooks:
             hook.remove()
         self._hooks = [self.layers[i].register_forward_hook(self._make_hook(i)) for i in ids]
@@ -163,7 +171,7 @@ class TargetModel(nn.Module):
         """Fail clearly when a tokenizer can produce ids the model has no embedding row for."""
         n = len(tokenizer)
         if n > self.vocab_size:
-            raise ValueError(
+            raise UserInputError(
                 f"tokenizer has {n} tokens but the target's vocabulary holds {self.vocab_size}: "
                 "the tokenizer does not belong to this model"
             )

@@ -14,6 +14,7 @@ import torch
 
 from jetflow_pl.decoding.backend import DecodeBackend
 from jetflow_pl.decoding.sampling import SamplingConfig, choose_token, processed_probs
+from jetflow_pl.errors import NumericalError, UserInputError
 from jetflow_pl.tree import (
     DraftTree,
     FanoutPolicy,
@@ -22,6 +23,25 @@ from jetflow_pl.tree import (
     build_tree,
     rescore_and_select,
 )
+
+#: Largest draft budget (tree nodes - 1) on a backend that states no limit of its own. The verify step
+#: builds an `[N, past + N]` mask and runs N target rows at once; past ~1k nodes the speed-up is long
+#: gone and the memory is not, so a larger budget is a typo rather than a setting.
+DEFAULT_MAX_BUDGET = 1024
+_TARGET_ADVICE = "a float16 overflow in the target is the usual cause; load it in bfloat16 or float32"
+
+
+def max_budget(backend: DecodeBackend) -> int:
+    """The largest budget `backend` can verify: `max_tree_nodes - 1` when it says (an engine's profile
+    limit), else `DEFAULT_MAX_BUDGET`."""
+    nodes = getattr(backend, "max_tree_nodes", None)
+    return int(nodes) - 1 if nodes is not None else DEFAULT_MAX_BUDGET
+
+
+def _check_finite(x: torch.Tensor, what: str, where: str, advice: str) -> None:
+    """Raise NumericalError when `x` holds NaN/+inf (one reduction; -inf log-probs are legitimate)."""
+    if bool(torch.isnan(x).any() | torch.isposinf(x).any()):
+        raise NumericalError(f"{what} produced NaN/inf {where}: {advice}")
 
 
 @dataclass
@@ -76,11 +96,18 @@ class SpeculativeGenerator:
         if refine_factor != 0 and refine_factor < 2:
             raise ValueError(f"refine_factor must be 0 (off) or >= 2, got {refine_factor}")
         if budget < 0:
-            raise ValueError(f"budget must be >= 0, got {budget}")
+            raise UserInputError(f"budget must be >= 0, got {budget}")
+        limit = max_budget(backend)
+        if max(budget, refine_factor * budget) > limit:
+            what = f"budget {budget}" + (f" x refine_factor {refine_factor}" if refine_factor else "")
+            raise UserInputError(
+                f"{what} exceeds this backend's limit of {limit} draft tokens per tree "
+                f"({type(backend).__name__}); use a budget <= {limit // max(refine_factor, 1)}"
+            )
         if width < 1:
-            raise ValueError(f"width must be >= 1, got {width}")
+            raise UserInputError(f"width must be >= 1, got {width}")
         if budget > 0 and backend.block_size < 2:
-            raise ValueError("a draft budget needs a backend with a draft head (block_size >= 2)")
+            raise UserInputError("a draft budget needs a backend with a draft head (block_size >= 2)")
         self.backend = backend
         self.budget = budget
         self.width = width
@@ -99,6 +126,15 @@ class SpeculativeGenerator:
         if self.budget == 0 or max_depth < 1:
             return DraftTree.chain([anchor])
         depth_logprobs = self.backend.draft(anchor)[:max_depth]
+        # NaN here means the head overflowed (fp16 is the usual cause); build_tree would refuse it too,
+        # but only this loop knows it was the head and where, so the message can say what to change
+        _check_finite(
+            depth_logprobs,
+            "the draft head",
+            f"log-probs at position {self.backend.past_len}",
+            "a float16/bfloat16 overflow in the head is the usual cause; run the head in float32 "
+            "(or bfloat16 instead of float16) or check the head's weights",
+        )
         if not self.refine_factor:
             return build_tree(depth_logprobs, anchor, self.budget, self.width, self.policy)
         candidates = build_tree(
@@ -116,13 +152,13 @@ class SpeculativeGenerator:
         """Generate up to `max_new_tokens` tokens after `prompt_ids` (stops after an EOS token)."""
         sampling = sampling or SamplingConfig()
         if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+            raise UserInputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
         if prompt.numel() == 0:
-            raise ValueError("prompt is empty: at least one token is needed to start decoding")
+            raise UserInputError("prompt is empty: at least one token is needed to start decoding")
         limit = self.backend.max_positions
         if prompt.numel() + max_new_tokens > limit:
-            raise ValueError(
+            raise UserInputError(
                 f"prompt ({prompt.numel()} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                 f"target's context limit of {limit} positions"
             )
@@ -132,6 +168,7 @@ class SpeculativeGenerator:
 
         t0 = time.perf_counter()
         logits = self.backend.prefill(prompt)
+        _check_finite(logits, "the target", "logits at the end of the prompt", _TARGET_ADVICE)
         token = choose_token(logits, sampling, gen)
         t1 = time.perf_counter()
         result = GenerationResult(tokens=[token], prefill_seconds=t1 - t0)
@@ -140,6 +177,8 @@ class SpeculativeGenerator:
         while result.finish_reason != "eos" and len(result.tokens) < max_new_tokens:
             tree = self._next_tree(token)
             logits = self.backend.verify(tree)
+            # argmax over NaN picks garbage silently: a lossless decoder must refuse instead
+            _check_finite(logits, "the target", f"logits at position {self.backend.past_len}", _TARGET_ADVICE)
             if sampling.greedy:
                 accepted, token = accept_greedy(tree, logits.argmax(dim=-1))
             else:
