@@ -72,6 +72,18 @@ def test_random_trees_match_reference(interpret, b, hq, hkv, n, p, d, bm, bn) ->
     check(q, pk, pv, k, v, tree.packed_mask(), d**-0.5, block_m=bm, block_n=bn)
 
 
+@pytest.mark.parametrize(
+    ("n", "p", "splits", "bn"),
+    [(5, 100, 2, 16), (40, 300, 3, 32), (33, 64, 4, 16), (9, 37, 8, 16), (70, 1000, 5, 64)],
+)
+def test_kv_splits_match_reference(interpret, n, p, splits, bn) -> None:
+    """Flash-decoding splits of the prefix (ragged last split, more splits than tiles) + the combine."""
+    gen = torch.Generator().manual_seed(n * p + splits)
+    tree = random_tree(n, gen)
+    q, pk, pv, k, v = make_inputs(1, 4, 2, n, p, 16, gen)
+    check(q, pk, pv, k, v, tree.packed_mask(), 0.25, num_splits=splits, block_n=bn)
+
+
 def test_build_tree_masks_match_reference(interpret) -> None:
     """Trees grown by `build_tree` (the decode loop's shape: wide near the root, N = budget + 1)."""
     gen = torch.Generator().manual_seed(7)

@@ -45,7 +45,8 @@ _LOG2E = 1.4426950408889634
 # interpreter also looks for it there), so it must be a module global, not a local import.
 triton: Any = None
 tl: Any = None
-_KERNELS: dict[bool, Any] = {}
+_KERNELS: dict[tuple[str, bool], Any] = {}
+_SM_COUNT: dict[int, int] = {}
 
 
 def is_triton_available() -> bool:
@@ -81,15 +82,18 @@ def _interpret_mode() -> bool:
         return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _kernel() -> Any:
-    """The jitted kernel for the current mode (compiled vs interpreted), wrapped on first use."""
+def _kernels() -> tuple[Any, Any]:
+    """The jitted (attention, combine) kernels for the current mode (compiled vs interpreted).
+
+    Wrapped on first use: `triton.jit` picks InterpretedFunction vs JITFunction from
+    `knobs.runtime.interpret`, which reads TRITON_INTERPRET at that moment.
+    """
     _load_triton()
     interpret = _interpret_mode()
-    if interpret not in _KERNELS:
-        # `triton.jit` picks InterpretedFunction vs JITFunction from knobs.runtime.interpret, which
-        # reads TRITON_INTERPRET at this moment.
-        _KERNELS[interpret] = triton.jit(_tree_attention_kernel)
-    return _KERNELS[interpret]
+    for name, fn in (("attention", _tree_attention_kernel), ("combine", _combine_kernel)):
+        if (name, interpret) not in _KERNELS:
+            _KERNELS[(name, interpret)] = triton.jit(fn)
+    return _KERNELS[("attention", interpret)], _KERNELS[("combine", interpret)]
 
 
 def _tree_attention_kernel(
@@ -100,6 +104,9 @@ def _tree_attention_kernel(
     V,
     MASK,
     OUT,
+    PART_ACC,
+    PART_M,
+    PART_L,
     sq_b,
     sq_h,
     sq_n,
@@ -131,11 +138,14 @@ def _tree_attention_kernel(
     D,
     HKV,
     qk_scale,
+    kv_per_split,
+    total_rows,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
     """Kernel body (wrapped by `triton.jit` lazily in `_kernel`); see the module docstring.
 
@@ -147,6 +157,7 @@ def _tree_attention_kernel(
     """
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
+    pid_s = tl.program_id(2)  # KV split (flash-decoding); always 0 unless SPLIT
     b = pid_bh // HKV
     hkv = pid_bh % HKV
 
@@ -164,11 +175,12 @@ def _tree_attention_kernel(
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
 
-    # ---- pass 1: the KV prefix, visible from every row --------------------------------------------
+    # ---- pass 1: this split's slice of the KV prefix, visible from every row -----------------------
     pk_base = PK + b * spk_b + hkv * spk_h
     pv_base = PV + b * spv_b + hkv * spv_h
-    for start in range(0, P, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
+    lo = pid_s * kv_per_split
+    for start in range(0, kv_per_split, BLOCK_N):  # kv_per_split is a multiple of BLOCK_N
+        cols = lo + start + tl.arange(0, BLOCK_N)
         col_ok = cols < P
         kt = tl.load(
             pk_base + cols[None, :] * spk_p + offs_d[:, None] * spk_d,
@@ -190,43 +202,98 @@ def _tree_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         m_i = m_new
 
-    # ---- pass 2: the tree keys, visible where the packed mask bit is set ---------------------------
-    k_base = K + b * sk_b + hkv * sk_h
-    v_base = V + b * sv_b + hkv * sv_h
-    for start in range(0, N, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        words = tl.load(
-            MASK + node[:, None] * sm_n + (cols // 32)[None, :] * sm_w,
-            mask=row_ok[:, None] & col_ok[None, :],
-            other=0,
-        )
-        visible = ((words >> (cols % 32)[None, :]) & 1) != 0  # arithmetic shift is fine: we keep bit 0
-        any_row = tl.reduce(visible.to(tl.int32), 1, tl.standard._elementwise_max)
-        if tl.reduce(any_row, 0, tl.standard._elementwise_max) > 0:
-            kt = tl.load(
-                k_base + cols[None, :] * sk_n + offs_d[:, None] * sk_d,
-                mask=d_ok[:, None] & col_ok[None, :],
-                other=0.0,
+    # ---- pass 2: the tree keys, visible where the packed mask bit is set (split 0) --------------------------
+    if pid_s == 0:
+        k_base = K + b * sk_b + hkv * sk_h
+        v_base = V + b * sv_b + hkv * sv_h
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            col_ok = cols < N
+            words = tl.load(
+                MASK + node[:, None] * sm_n + (cols // 32)[None, :] * sm_w,
+                mask=row_ok[:, None] & col_ok[None, :],
+                other=0,
             )
-            s = tl.dot(q, kt, input_precision=INPUT_PRECISION) * qk_scale
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
-            v = tl.load(
-                v_base + cols[:, None] * sv_n + offs_d[None, :] * sv_d,
-                mask=col_ok[:, None] & d_ok[None, :],
-                other=0.0,
-            )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-            m_i = m_new
+            visible = ((words >> (cols % 32)[None, :]) & 1) != 0  # arithmetic shift is fine: we keep bit 0
+            any_row = tl.reduce(visible.to(tl.int32), 1, tl.standard._elementwise_max)
+            if tl.reduce(any_row, 0, tl.standard._elementwise_max) > 0:
+                kt = tl.load(
+                    k_base + cols[None, :] * sk_n + offs_d[:, None] * sk_d,
+                    mask=d_ok[:, None] & col_ok[None, :],
+                    other=0.0,
+                )
+                s = tl.dot(q, kt, input_precision=INPUT_PRECISION) * qk_scale
+                s = tl.where(visible, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_safe)
+                p = tl.exp2(s - m_safe[:, None])
+                l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
+                v = tl.load(
+                    v_base + cols[:, None] * sv_n + offs_d[None, :] * sv_d,
+                    mask=col_ok[:, None] & d_ok[None, :],
+                    other=0.0,
+                )
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+                m_i = m_new
 
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # rows that saw nothing: acc is 0 -> 0
-    o_ptrs = OUT + b * so_b + hq[:, None] * so_h + node[:, None] * so_n + offs_d[None, :] * so_d
-    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if SPLIT:  # unnormalised partial results; `_combine_kernel` merges the splits
+        part = pid_s * total_rows + (b * (HKV * GROUP) + hq) * N + node
+        tl.store(PART_M + part, m_i, mask=row_ok)
+        tl.store(PART_L + part, l_i, mask=row_ok)
+        tl.store(PART_ACC + part[:, None] * BLOCK_D + offs_d[None, :], acc, mask=row_ok[:, None])
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # rows that saw nothing: acc is 0 -> 0
+        o_ptrs = OUT + b * so_b + hq[:, None] * so_h + node[:, None] * so_n + offs_d[None, :] * so_d
+        tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _combine_kernel(
+    PART_ACC,
+    PART_M,
+    PART_L,
+    OUT,
+    so_b,
+    so_h,
+    so_n,
+    so_d,
+    total_rows,
+    N,
+    HQ,
+    D,
+    num_splits,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Merge the per-split (max, sum, accumulator) triples of `_tree_attention_kernel` into the output.
+
+    Rows are flattened `(b, query head, node)`; the same log-sum-exp rescaling as the online softmax.
+    """
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < total_rows
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    m = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    l_sum = tl.full([BLOCK_R], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_R, BLOCK_D], 0.0, dtype=tl.float32)
+    for split in range(0, num_splits):
+        part = split * total_rows + r
+        m_s = tl.load(PART_M + part, mask=r_ok, other=float("-inf"))
+        l_s = tl.load(PART_L + part, mask=r_ok, other=0.0)
+        a_s = tl.load(PART_ACC + part[:, None] * BLOCK_D + offs_d[None, :], mask=r_ok[:, None], other=0.0)
+        m_new = tl.maximum(m, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        beta = tl.exp2(m_s - m_safe)
+        l_sum = l_sum * alpha + l_s * beta
+        acc = acc * alpha[:, None] + a_s * beta[:, None]
+        m = m_new
+    out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
+    node = r % N
+    bh = r // N
+    o_ptrs = OUT + (bh // HQ) * so_b + (bh % HQ) * so_h + node * so_n
+    o_ptrs = o_ptrs[:, None] + offs_d[None, :] * so_d
+    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
 
 
 def _next_pow2(x: int) -> int:
@@ -246,6 +313,28 @@ def _default_blocks(rows: int, head_dim_block: int, dtype: torch.dtype, interpre
     return block_m, block_n
 
 
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def _auto_splits(programs: int, p: int, block_n: int, device: torch.device, interpret: bool) -> int:
+    """How many KV splits (flash-decoding) the prefix gets.
+
+    Decode-shaped calls (few tree rows, long prefix) launch fewer programs than the GPU has SMs; the
+    prefix is then cut into splits of at least 4 tiles until there are about two programs per SM.
+    The interpreter never splits by default (it runs programs one after another anyway).
+    """
+    if interpret or device.type != "cuda" or p < 8 * block_n:
+        return 1
+    target = 2 * _sm_count(device)
+    if programs >= target:
+        return 1
+    return max(1, min(triton.cdiv(target, programs), p // (4 * block_n), 64))
+
+
 def tree_attention_triton(
     query: Tensor,
     past_key: Tensor,
@@ -257,6 +346,7 @@ def tree_attention_triton(
     *,
     block_m: int | None = None,
     block_n: int | None = None,
+    num_splits: int | None = None,
     input_precision: str = "ieee",
     num_warps: int = 4,
     num_stages: int = 2,
@@ -264,14 +354,15 @@ def tree_attention_triton(
     """`jetflow::tree_attention` with the Triton kernel; same arguments and result as the reference.
 
     Keyword-only knobs (tests and benchmarks): `block_m` / `block_n` tile sizes (powers of two >= 16),
-    `input_precision` for fp32 inputs ("ieee" exact, "tf32" faster), `num_warps` / `num_stages` for the
-    compiled kernel (ignored by the interpreter).
+    `num_splits` KV splits of the prefix (None: automatic, 1: none), `input_precision` for fp32 inputs
+    ("ieee" exact, "tf32" faster), `num_warps` / `num_stages` for the compiled kernel (ignored by the
+    interpreter).
 
     Tensors must be CUDA tensors for the compiled kernel, or any tensors with `TRITON_INTERPRET=1`.
     Key/value tensors of another dtype than `query` are cast to it (as the reference does for the
     prefix). Arbitrary strides are supported (no copies), e.g. K/V views into a larger cache.
     """
-    kernel = _kernel()  # raises the ImportError first when triton is missing
+    kernel, combine = _kernels()  # raises the ImportError first when triton is missing
     interpret = _interpret_mode()
     _check_shapes(query, past_key, past_value, key, value)
     b, hq, n, d = query.shape
@@ -285,7 +376,7 @@ def tree_attention_triton(
     words = (n + _WORD_BITS - 1) // _WORD_BITS
     if packed_mask.dim() != 2 or packed_mask.shape[0] != n or packed_mask.shape[1] < words:
         raise ValueError(f"packed_mask must be [N={n}, >= {words}] int32, got {tuple(packed_mask.shape)}")
-    if not query.is_floating_point() or query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"query dtype must be float32, float16 or bfloat16, got {query.dtype}")
 
     dtype, device = query.dtype, query.device
@@ -303,8 +394,21 @@ def tree_attention_triton(
     auto_m, auto_n = _default_blocks(group * n, block_d, dtype, interpret)
     block_m = block_m or auto_m
     block_n = block_n or auto_n
-    grid = (triton.cdiv(group * n, block_m), b * hkv)
-    kernel[grid](
+    m_tiles = triton.cdiv(group * n, block_m)
+    if num_splits is None:
+        num_splits = _auto_splits(m_tiles * b * hkv, p, block_n, device, interpret)
+    # every split but the last gets a whole number of tiles; empty trailing splits are dropped
+    kv_per_split = triton.cdiv(triton.cdiv(p, max(1, num_splits)), block_n) * block_n
+    num_splits = max(1, triton.cdiv(p, kv_per_split)) if p else 1
+    split = num_splits > 1
+    total_rows = b * hq * n
+    if split:
+        part_acc = torch.empty(num_splits, total_rows, block_d, dtype=torch.float32, device=device)
+        part_m = torch.empty(num_splits, total_rows, dtype=torch.float32, device=device)
+        part_l = torch.empty_like(part_m)
+    else:  # never touched (SPLIT is a compile-time False)
+        part_acc = part_m = part_l = out
+    kernel[(m_tiles, b * hkv, num_splits)](
         query,
         past_key,
         past_value,
@@ -312,6 +416,9 @@ def tree_attention_triton(
         value,
         mask,
         out,
+        part_acc,
+        part_m,
+        part_l,
         *query.stride(),
         *past_key.stride(),
         *past_value.stride(),
@@ -324,12 +431,32 @@ def tree_attention_triton(
         d,
         hkv,
         float(scale) * _LOG2E,
+        kv_per_split,
+        total_rows,
         GROUP=group,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         INPUT_PRECISION=input_precision,
+        SPLIT=split,
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    if split:
+        block_r = 64 if interpret or block_d <= 64 else 32
+        combine[(triton.cdiv(total_rows, block_r),)](
+            part_acc,
+            part_m,
+            part_l,
+            out,
+            *out.stride(),
+            total_rows,
+            n,
+            hq,
+            d,
+            num_splits,
+            BLOCK_R=block_r,
+            BLOCK_D=block_d,
+            num_warps=4,
+        )
     return out
