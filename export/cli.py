@@ -1,42 +1,76 @@
-"""`jetflow-export`: the export command line.
+"""`jetflow-export`: write an engine directory (ONNX graphs, config, tokenizer) for a head + target pair.
 
-The ONNX / TensorRT export itself is not implemented yet (it is the next stage of the roadmap). Until
-then this command parses its future flags, prints help, and refuses to run with a non-zero exit status
-rather than pretending to produce an engine directory.
+    jetflow-export --head runs/quickstart/head/best --target data_gen/toy/assets/small --out engines/toy
+
+User errors (bad paths, a head that does not fit its target, an existing output folder) print one
+`error:` line and exit with status 2; nothing is written in that case.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+
+from export.contract import VARIANTS
+from jetflow_pl.errors import UserInputError
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jetflow-export",
-        description=(
-            "Export a draft head and its target to ONNX graphs (and TensorRT engines with --engine). "
-            "NOT IMPLEMENTED YET: this release only reserves the command and its flags."
-        ),
+        description="Export a draft head and its target to ONNX graphs (and TensorRT engines with --engine).",
     )
-    parser.add_argument("--head", help="draft head directory (HF format)")
-    parser.add_argument("--target", help="target model directory (HF format)")
-    parser.add_argument("--out", help="engine directory to write")
-    parser.add_argument("--variant", choices=["plugin", "portable"], default="plugin")
-    parser.add_argument("--opset", type=int, default=None)
-    parser.add_argument("--engine", action="store_true", help="also build TensorRT engines")
+    parser.add_argument("--head", required=True, type=Path, help="draft head directory (HF format)")
+    parser.add_argument("--target", required=True, type=Path, help="target model directory (HF format)")
+    parser.add_argument("--out", required=True, type=Path, help="engine directory to write")
+    parser.add_argument(
+        "--variant",
+        choices=VARIANTS,
+        default="plugin",
+        help="plugin: TreeAttention nodes (TensorRT plugin / onnxruntime-extensions); portable: standard ops",
+    )
+    parser.add_argument("--opset", type=int, default=20, help="ONNX opset (>= 18; default 20)")
+    parser.add_argument("--topk", type=int, default=8, help="draft tokens kept per depth (max tree width)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    parser.add_argument("--engine", action="store_true", help="also build TensorRT engines (needs TensorRT)")
+    parser.add_argument("--plugin-lib", type=Path, default=None, help="TreeAttention plugin .so for --engine")
+    parser.add_argument("-q", "--quiet", action="store_true", help="only print errors")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    parser.parse_args(argv)
-    print(
-        "jetflow-export: export is not implemented in this release; no files were written.",
-        file=sys.stderr,
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
+    from export.onnx_export import ExportSettings, export_engine
+
+    settings = ExportSettings(
+        head=args.head,
+        target=args.target,
+        out=args.out,
+        variant=args.variant,
+        opset=args.opset,
+        topk=args.topk,
+        overwrite=args.overwrite,
     )
-    return 2
+    try:
+        if args.engine:
+            # fail before the (slow) ONNX export when TensorRT cannot run here
+            from export.tensorrt_build import require_tensorrt
+
+            require_tensorrt(args.plugin_lib if args.variant == "plugin" else None)
+        out = export_engine(settings)
+        if args.engine:
+            from export.tensorrt_build import build_engines
+
+            build_engines(out, plugin_lib=args.plugin_lib)
+    except UserInputError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"engine directory written: {out}")
+    return 0
 
 
 def console_main() -> None:

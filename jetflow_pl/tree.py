@@ -41,6 +41,9 @@ __all__ = [
 
 _WORD_BITS = 32
 
+#: default rounding of draft log-probs in :func:`build_tree` (1/64 nat: a 1.6% probability ratio)
+SCORE_QUANTUM = 2.0**-6
+
 
 # --------------------------------------------------------------------------------------------------
 # Packed masks (TensorRT-LLM layout)
@@ -370,6 +373,7 @@ def build_tree(
     budget: int,
     width: int,
     policy: FanoutPolicy | None = None,
+    score_quantum: float = 0.0,
 ) -> DraftTree:
     """Best-first draft tree from per-depth log-probs.
 
@@ -382,6 +386,11 @@ def build_tree(
         width: children per expanded node (the top-``width`` tokens of the child depth), unless ``policy``
             says fewer.
         policy: optional :class:`FanoutPolicy`; default :class:`FixedWidth`.
+        score_quantum: log-probs are rounded to multiples of this (a power of two, so cumulative
+            scores stay exact) before building; 0 (the default here) disables it; the decode loop
+            passes :data:`SCORE_QUANTUM`. Backends whose numerics differ by ~1e-5
+            (torch vs ONNX Runtime vs TensorRT) then build the same tree from near-certain drafts, whose
+            cumulative scores otherwise differ only by noise; near-ties go to the earlier node.
 
     Expansion: a max-heap of nodes awaiting expansion keyed on cumulative score (root 0.0); ties go to
     the earlier-inserted (lower-index) node. The popped node, if shallower than ``D``, gets its children
@@ -413,6 +422,8 @@ def build_tree(
 
     # One top-k per depth (not per node), moved to the host once.
     lp = depth_logprobs[:depth_limit].detach().float()
+    if score_quantum:
+        lp = torch.round(lp / score_quantum) * score_quantum
     if depth_limit and bool(torch.isnan(lp).any()):
         raise ValueError("depth_logprobs contains NaN")
     top_vals, top_ids = stable_topk(lp, kmax)

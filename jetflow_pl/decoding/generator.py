@@ -16,6 +16,7 @@ from jetflow_pl.decoding.backend import DecodeBackend
 from jetflow_pl.decoding.sampling import SamplingConfig, choose_token, processed_probs
 from jetflow_pl.errors import NumericalError, UserInputError
 from jetflow_pl.tree import (
+    SCORE_QUANTUM,
     DraftTree,
     FanoutPolicy,
     accept_greedy,
@@ -113,6 +114,7 @@ class SpeculativeGenerator:
         self.width = width
         self.policy = policy
         self.refine_factor = refine_factor
+        self.score_quantum = SCORE_QUANTUM
         if eos_token_id is None:
             self.eos_ids: frozenset[int] = frozenset()
         elif isinstance(eos_token_id, int):
@@ -136,9 +138,16 @@ class SpeculativeGenerator:
             "(or bfloat16 instead of float16) or check the head's weights",
         )
         if not self.refine_factor:
-            return build_tree(depth_logprobs, anchor, self.budget, self.width, self.policy)
+            return build_tree(
+                depth_logprobs, anchor, self.budget, self.width, self.policy, self.score_quantum
+            )
         candidates = build_tree(
-            depth_logprobs, anchor, self.refine_factor * self.budget, self.width, self.policy
+            depth_logprobs,
+            anchor,
+            self.refine_factor * self.budget,
+            self.width,
+            self.policy,
+            self.score_quantum,
         )
         return rescore_and_select(candidates, self.backend.refine(candidates), self.budget)
 

@@ -60,6 +60,8 @@ class TorchBackend:
         if ids.shape[1] == 0:
             raise ValueError("prompt is empty: at least one token is needed to start decoding")
         self._cache = new_cache(self.target.config)
+        # a previous sequence's last commit leaves taps queued for a draft that never came: drop them
+        self._pending_taps = self._pending_pos = self._tree_taps = None
         out = self.target(ids, cache=self._cache, logits_positions="last")
         self._past_len = ids.shape[1]
         self._head_cache = self.head.new_cache() if self.head is not None else None

@@ -98,6 +98,23 @@ class DraftAttention(nn.Module):
         cos, sin = context_pos_emb
         return _rope_one(k, cos, sin), v
 
+    def project(
+        self, hidden_states: torch.Tensor, pos_emb: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Block rows `[B, Q, H]` -> q `[B, heads, Q, d]`, k, v `[B, kv_heads, Q, d]` (normed, rotated).
+
+        Shared by `forward` and the export graphs, so both compute the same projections.
+        """
+        B, Q, _ = hidden_states.shape
+        q = self.q_norm(self.q_proj(hidden_states).view(B, Q, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(hidden_states).view(B, Q, self.num_kv_heads, self.head_dim)).transpose(
+            1, 2
+        )
+        v = self.v_proj(hidden_states).view(B, Q, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = pos_emb
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -108,13 +125,7 @@ class DraftAttention(nn.Module):
         cache: HeadCache | None = None,
     ) -> torch.Tensor:
         B, Q, _ = hidden_states.shape
-        q = self.q_norm(self.q_proj(hidden_states).view(B, Q, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(hidden_states).view(B, Q, self.num_kv_heads, self.head_dim)).transpose(
-            1, 2
-        )
-        v = self.v_proj(hidden_states).view(B, Q, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = pos_emb
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        q, k, v = self.project(hidden_states, pos_emb)
 
         ck = cv = None
         if context is not None:

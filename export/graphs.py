@@ -1,0 +1,165 @@
+"""The two exportable graphs: `TargetVerifyGraph` and `DraftHeadGraph` (contract: `export/contract.py`).
+
+Both are thin `nn.Module`s over the live models' own submodules (projections, norms, MLPs, rotary
+embeddings), with the KV caches as explicit tensors and attention as `jetflow::tree_attention`:
+
+* variant `plugin`: attention is the custom op, which the exporter translates into one
+  `jetflow::TreeAttention` node per layer (a TensorRT plugin, or an onnxruntime-extensions Python op);
+* variant `portable`: attention is `tree_attention_reference`, which exports to standard ONNX ops.
+
+Batch is 1 (one sequence per decode loop). The modules are also runnable eagerly: the exporter compares
+them with the exported graphs, and the tests compare them with the torch decode backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from jetflow_pl.head import DraftHead
+from jetflow_pl.ops import tree_attention, tree_attention_reference
+from jetflow_pl.target import TargetModel
+
+AttentionFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float], Tensor]
+
+
+def attention_for(variant: str) -> AttentionFn:
+    """The attention implementation a graph variant is built from."""
+    if variant == "plugin":
+        return tree_attention
+    if variant == "portable":
+        return tree_attention_reference
+    raise ValueError(f"unknown export variant {variant!r}: expected 'plugin' or 'portable'")
+
+
+def _check_target_exportable(target: TargetModel) -> None:
+    layer_types = getattr(target.config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        raise ValueError(
+            f"the target uses attention layer types {sorted(set(layer_types))}: only full attention "
+            "layers can be exported (sliding-window layers are not supported by TreeAttention)"
+        )
+
+
+class TargetVerifyGraph(nn.Module):
+    """One target forward over `N` new rows (tree nodes, or a prompt as a chain) with an explicit KV cache.
+
+    Inputs/outputs follow `contract.TARGET_INPUTS` / `TARGET_OUTPUTS`. Taps follow `TargetModel`: tap `i`
+    is decoder layer `i`'s output, except the last layer, whose tap is the final-normed hidden state.
+    """
+
+    def __init__(self, target: TargetModel, variant: str = "plugin") -> None:
+        super().__init__()
+        _check_target_exportable(target)
+        self.target = target
+        self.attend = attention_for(variant)
+        decoder = target.model.model
+        self.rotary_emb = decoder.rotary_emb
+        first = target.layers[0].self_attn
+        self.head_dim = int(first.head_dim)
+        self.num_heads = int(target.config.num_attention_heads)
+        self.num_kv_heads = int(target.config.num_key_value_heads)
+        self.scaling = float(first.scaling)
+        self.tap_layer_ids = tuple(target.tap_layer_ids)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        tree_mask: Tensor,
+        past_keys: Tensor,
+        past_values: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        t = self.target
+        x = t.embed_tokens(input_ids)
+        n = x.shape[1]
+        cos, sin = self.rotary_emb(x, position_ids)
+        presents_k, presents_v, taps = [], [], {}
+        last = t.num_layers - 1
+        for i, layer in enumerate(t.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(1, n, self.num_heads, self.head_dim)
+            k = attn.k_proj(h).view(1, n, self.num_kv_heads, self.head_dim)
+            v = attn.v_proj(h).view(1, n, self.num_kv_heads, self.head_dim)
+            if hasattr(attn, "q_norm"):  # qwen3: per-head RMSNorm on q and k before RoPE
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            o = self.attend(q, past_keys[i], past_values[i], k, v, tree_mask, self.scaling)
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(1, n, self.num_heads * self.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            presents_k.append(torch.cat([past_keys[i], k], dim=2))
+            presents_v.append(torch.cat([past_values[i], v], dim=2))
+            if i in self.tap_layer_ids and i != last:
+                taps[i] = x
+        hidden = t.final_norm(x)
+        taps[last] = hidden
+        features = torch.cat([taps[i] for i in self.tap_layer_ids], dim=-1)
+        logits = t.lm_head(hidden).float()
+        return (
+            logits,
+            logits.argmax(dim=-1),
+            features,
+            torch.stack(presents_k),
+            torch.stack(presents_v),
+        )
+
+
+class DraftHeadGraph(nn.Module):
+    """One draft-head forward: fuse new context taps, extend the head KV cache, attend, top-k per row.
+
+    Inputs/outputs follow `contract.HEAD_INPUTS` / `HEAD_OUTPUTS`. The block rows see every context row
+    (the cache plus the new rows) and the block rows allowed by `block_mask` (packed; causal, bidirectional
+    or a tree). The target's embedding and lm_head are part of this graph, so it is self-contained.
+    """
+
+    def __init__(self, head: DraftHead, target: TargetModel, topk: int, variant: str = "plugin") -> None:
+        super().__init__()
+        head.check_compatible(target.config)
+        if topk < 1 or topk > target.vocab_size:
+            raise ValueError(f"topk must be in [1, {target.vocab_size}], got {topk}")
+        self.head = head
+        self.embed_tokens = target.embed_tokens
+        self.lm_head = target.lm_head
+        self.topk = int(topk)
+        self.attend = attention_for(variant)
+        first = head.layers[0].self_attn
+        self.scaling = float(first.scaling)
+        self.num_heads = int(first.num_heads)
+        self.head_dim = int(first.head_dim)
+
+    def forward(
+        self,
+        context_taps: Tensor,
+        context_positions: Tensor,
+        block_ids: Tensor,
+        block_positions: Tensor,
+        block_mask: Tensor,
+        past_keys: Tensor,
+        past_values: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        head = self.head
+        c = head.fuse(context_taps)
+        ctx_emb = head.rotary_emb(c, context_positions)
+        x = self.embed_tokens(block_ids).to(c.dtype)
+        q_rows = x.shape[1]
+        pos_emb = head.rotary_emb(x, block_positions)
+        presents_k, presents_v = [], []
+        for i, layer in enumerate(head.layers):
+            attn = layer.self_attn
+            ck, cv = attn.context_kv(c, ctx_emb)
+            pk = torch.cat([past_keys[i], ck], dim=2)
+            pv = torch.cat([past_values[i], cv], dim=2)
+            q, k, v = attn.project(layer.input_layernorm(x), pos_emb)
+            o = self.attend(q, pk, pv, k, v, block_mask, self.scaling)
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(1, q_rows, self.num_heads * self.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            presents_k.append(pk)
+            presents_v.append(pv)
+        logprobs = torch.log_softmax(self.lm_head(head.norm(x)).float(), dim=-1)
+        values, ids = torch.topk(logprobs, self.topk, dim=-1)
+        return values, ids, torch.stack(presents_k), torch.stack(presents_v)

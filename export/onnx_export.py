@@ -1,0 +1,332 @@
+"""Export a (head, target) pair to an engine directory of two ONNX graphs, checked before it is published.
+
+Steps: validate every input (before any work) -> load the frozen target and the head -> export both
+graphs with the torch.onnx dynamo exporter into a temporary sibling directory -> `onnx.checker` full
+check -> compare ONNX Runtime with the eager torch graphs through polygraphy's comparator -> copy the
+tokenizer, write `config.json` -> rename the temporary directory into place. Any failure removes the
+temporary directory, so a half-written engine directory never appears under the requested name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+
+from export.contract import (
+    CONFIG_FILE,
+    HEAD_GRAPH,
+    HEAD_INPUTS,
+    HEAD_OUTPUTS,
+    TARGET_GRAPH,
+    TARGET_INPUTS,
+    TARGET_OUTPUTS,
+    TOKENIZER_DIR,
+    VARIANTS,
+)
+from export.engine_config import FORMAT, FORMAT_VERSION, write_engine_config
+from export.graphs import DraftHeadGraph, TargetVerifyGraph
+from export.tree_attention_onnx import translation_table
+from jetflow_pl.errors import UserInputError
+from jetflow_pl.head import DraftHead
+from jetflow_pl.target import TargetModel, _read_config, check_supported
+from jetflow_pl.tree import pack_mask
+
+log = logging.getLogger(__name__)
+
+#: files copied from the target directory into `<engine>/tokenizer`
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+MIN_OPSET = 18  # BitwiseAnd (packed-mask unpacking in the portable graphs)
+
+
+@dataclass
+class ExportSettings:
+    """What `jetflow-export` was asked to do."""
+
+    head: Path
+    target: Path
+    out: Path
+    variant: str = "plugin"
+    opset: int = 20
+    topk: int = 8
+    overwrite: bool = False
+    check_atol: float = 1e-4
+    check_rtol: float = 1e-3
+
+
+# ---------------------------------------------------------------------------------------------------
+# validation (before any work)
+# ---------------------------------------------------------------------------------------------------
+
+
+def validate_settings(s: ExportSettings) -> None:
+    """Raise one `UserInputError` per bad input, before anything is loaded or written."""
+    if s.variant not in VARIANTS:
+        raise UserInputError(f"--variant must be one of {', '.join(VARIANTS)}, got {s.variant!r}")
+    if s.opset < MIN_OPSET:
+        raise UserInputError(f"--opset must be >= {MIN_OPSET} (BitwiseAnd is needed), got {s.opset}")
+    if s.topk < 1:
+        raise UserInputError(f"--topk must be >= 1, got {s.topk}")
+    out = Path(s.out)
+    if out.exists() and not s.overwrite:
+        raise UserInputError(f"output folder {out} already exists; pass --overwrite to replace it")
+    for name, path in (("--head", s.head), ("--target", s.target)):
+        if not Path(path).is_dir():
+            raise UserInputError(f"{name} {path} is not a directory")
+    if not (Path(s.head) / "config.json").is_file():
+        raise UserInputError(f"--head {s.head} has no config.json: not a draft head directory")
+    try:
+        target_config = _read_config(Path(s.target))
+        check_supported(target_config)
+    except (ValueError, FileNotFoundError) as err:
+        raise UserInputError(str(err)) from err
+    if not (Path(s.target) / "tokenizer.json").is_file():
+        raise UserInputError(
+            f"--target {s.target} has no tokenizer.json: the engine directory must carry the tokenizer"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------
+# example inputs and dynamic shapes
+# ---------------------------------------------------------------------------------------------------
+
+
+def _dims(max_positions: int) -> dict[str, torch.export.Dim]:
+    limit = max(max_positions, 64)
+    words = (limit + 31) // 32 + 1
+    return {
+        "N": torch.export.Dim("N", min=1, max=limit),
+        "W": torch.export.Dim("W", min=1, max=words),
+        "P": torch.export.Dim("P", min=0, max=limit),
+        "T": torch.export.Dim("T", min=1, max=limit),
+        "Q": torch.export.Dim("Q", min=1, max=limit),
+        "Wq": torch.export.Dim("Wq", min=1, max=words),
+    }
+
+
+def target_example(target: TargetModel, n: int = 40, past: int = 3) -> OrderedDict[str, torch.Tensor]:
+    """Verify-graph inputs: a random tree-like mask over `n` rows after `past` cached rows."""
+    gen = torch.Generator().manual_seed(0)
+    cfg = target.config
+    head_dim = int(target.layers[0].self_attn.head_dim)
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+    dense = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        dense[i] |= dense[parents[i]]
+    kv = (target.num_layers, 1, int(cfg.num_key_value_heads), past, head_dim)
+    return OrderedDict(
+        input_ids=torch.randint(0, target.vocab_size, (1, n), generator=gen),
+        position_ids=(past + dense.sum(-1) - 1).unsqueeze(0),
+        tree_mask=pack_mask(dense),
+        past_keys=torch.randn(kv, generator=gen),
+        past_values=torch.randn(kv, generator=gen),
+    )
+
+
+def head_example(head: DraftHead, target: TargetModel, q: int = 33, t: int = 5, past: int = 3):
+    """Head-graph inputs: `t` new context rows after `past` cached rows, a causal block of `q` rows."""
+    gen = torch.Generator().manual_seed(1)
+    attn = head.layers[0].self_attn
+    kv = (len(head.layers), 1, int(attn.num_kv_heads), past, int(attn.head_dim))
+    features = head.config.num_taps * head.config.target_hidden_size
+    return OrderedDict(
+        context_taps=torch.randn(1, t, features, generator=gen),
+        context_positions=(past + torch.arange(t)).unsqueeze(0),
+        block_ids=torch.randint(0, target.vocab_size, (1, q), generator=gen),
+        block_positions=(past + t + torch.arange(q)).unsqueeze(0),
+        block_mask=pack_mask(torch.ones(q, q, dtype=torch.bool).tril()),
+        past_keys=torch.randn(kv, generator=gen),
+        past_values=torch.randn(kv, generator=gen),
+    )
+
+
+def _dynamic_shapes(role: str, dims: dict[str, torch.export.Dim]) -> dict[str, dict[int, Any]]:
+    from export.contract import DYNAMIC_AXES
+
+    return {
+        name: {axis: dims[sym] for axis, sym in axes.items()} for name, axes in DYNAMIC_AXES[role].items()
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# export, check, compare
+# ---------------------------------------------------------------------------------------------------
+
+
+def _export_graph(module, example, role: str, path: Path, opset: int, dims) -> None:
+    inputs = list(HEAD_INPUTS if role == "head" else TARGET_INPUTS)
+    outputs = list(HEAD_OUTPUTS if role == "head" else TARGET_OUTPUTS)
+    program = torch.onnx.export(
+        module,
+        tuple(example.values()),
+        dynamo=True,
+        opset_version=opset,
+        input_names=inputs,
+        output_names=outputs,
+        dynamic_shapes=_dynamic_shapes(role, dims),
+        custom_translation_table=translation_table(),
+        optimize=True,
+        verbose=False,
+    )
+    big = sum(p.numel() * p.element_size() for p in module.parameters()) > 1_500_000_000
+    program.save(str(path), external_data=big)
+
+
+def check_graph(path: Path) -> onnx.ModelProto:
+    """`onnx.checker` full check (with shape inference, TreeAttention's schema included)."""
+    onnx.checker.check_model(str(path), full_check=True)
+    return onnx.load(str(path), load_external_data=False)
+
+
+def compare_with_torch(module, example, path: Path, output_names: list[str], atol: float, rtol: float):
+    """Run ONNX Runtime and the eager module on the same inputs through polygraphy's comparator."""
+    from polygraphy import util as poly_util
+    from polygraphy.backend.onnxrt import OnnxrtRunner
+    from polygraphy.backend.pyt import PytRunner
+    from polygraphy.common import TensorMetadata
+    from polygraphy.comparator import Comparator, CompareFunc
+
+    from jetflow_pl.decoding.ort_session import make_session
+
+    class CpuTorchRunner(PytRunner):
+        """polygraphy's PytRunner moves inputs to CUDA; this one stays on the module's device (CPU)."""
+
+        @poly_util.check_called_by("infer")
+        def infer_impl(self, feed_dict):
+            with torch.no_grad():
+                start = time.time()
+                outs = self.model(*[torch.from_numpy(np.asarray(v)) for v in feed_dict.values()])
+                end = time.time()
+            self.inference_time = end - start
+            return OrderedDict((n, o.cpu().numpy()) for n, o in zip(self.output_names, outs, strict=True))
+
+    meta = TensorMetadata()
+    for name, value in example.items():
+        meta.add(name, value.numpy().dtype, tuple(value.shape))
+    feed = OrderedDict((k, v.numpy()) for k, v in example.items())
+    runners = [
+        CpuTorchRunner(lambda: module, meta, output_names, name="torch"),
+        OnnxrtRunner(make_session(path), name="onnxruntime"),
+    ]
+    results = Comparator.run(runners, data_loader=[feed])
+    ok = bool(Comparator.compare_accuracy(results, compare_func=CompareFunc.simple(atol=atol, rtol=rtol)))
+    if not ok:
+        raise RuntimeError(
+            f"ONNX Runtime outputs of {path.name} differ from torch beyond atol={atol}, rtol={rtol}"
+        )
+
+
+def _engine_config(s: ExportSettings, head: DraftHead, target: TargetModel) -> dict[str, Any]:
+    cfg = target.config
+    attn = head.layers[0].self_attn
+    eos = cfg.eos_token_id
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "variant": s.variant,
+        "opset": s.opset,
+        "graphs": {
+            "head": {"file": HEAD_GRAPH, "inputs": list(HEAD_INPUTS), "outputs": list(HEAD_OUTPUTS)},
+            "target": {"file": TARGET_GRAPH, "inputs": list(TARGET_INPUTS), "outputs": list(TARGET_OUTPUTS)},
+        },
+        "block_size": int(head.config.block_size),
+        "mask_token_id": int(head.config.mask_token_id),
+        "causal_head": bool(head.config.causal_head),
+        "topk": int(s.topk),
+        "vocab_size": int(target.vocab_size),
+        "max_positions": int(cfg.max_position_embeddings),
+        "eos_token_id": eos if isinstance(eos, list) else ([] if eos is None else [int(eos)]),
+        "target_layer_ids": list(head.config.target_layer_ids),
+        "target": {
+            "model_type": cfg.model_type,
+            "num_layers": target.num_layers,
+            "num_heads": int(cfg.num_attention_heads),
+            "num_kv_heads": int(cfg.num_key_value_heads),
+            "head_dim": int(target.layers[0].self_attn.head_dim),
+            "hidden_size": target.hidden_size,
+        },
+        "head": {
+            "num_layers": len(head.layers),
+            "num_heads": int(attn.num_heads),
+            "num_kv_heads": int(attn.num_kv_heads),
+            "head_dim": int(attn.head_dim),
+            "hidden_size": int(head.config.hidden_size),
+            "tap_features": int(head.config.num_taps * head.config.target_hidden_size),
+        },
+        "tokenizer": TOKENIZER_DIR,
+        "engines": {},
+        "source": {"head": str(Path(s.head).resolve()), "target": str(Path(s.target).resolve())},
+    }
+
+
+def load_pair(head_dir: Path, target_dir: Path) -> tuple[DraftHead, TargetModel]:
+    """Load the head and the frozen target (fp32, CPU) and check that they fit; errors are user errors."""
+    try:
+        head = DraftHead.from_pretrained(str(head_dir))
+    except (OSError, ValueError) as err:
+        raise UserInputError(f"cannot load the draft head from {head_dir}: {err}") from err
+    target = TargetModel.from_pretrained(target_dir, head.config.target_layer_ids)
+    try:
+        head.check_compatible(target.config)
+    except ValueError as err:
+        raise UserInputError(str(err)) from err
+    head.eval()
+    return head, target
+
+
+def export_engine(s: ExportSettings) -> Path:
+    """Write the engine directory `s.out` (see module docstring); return its path."""
+    validate_settings(s)
+    out = Path(s.out)
+    head, target = load_pair(Path(s.head), Path(s.target))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        dims = _dims(int(target.config.max_position_embeddings))
+        graphs = [
+            ("target", TargetVerifyGraph(target, s.variant).eval(), target_example(target), TARGET_GRAPH),
+            (
+                "head",
+                DraftHeadGraph(head, target, s.topk, s.variant).eval(),
+                head_example(head, target),
+                HEAD_GRAPH,
+            ),
+        ]
+        for role, module, example, file in graphs:
+            t0 = time.perf_counter()
+            log.info("exporting the %s graph (%s variant)", role, s.variant)
+            _export_graph(module, example, role, tmp / file, s.opset, dims)
+            check_graph(tmp / file)
+            names = list(HEAD_OUTPUTS if role == "head" else TARGET_OUTPUTS)
+            compare_with_torch(module, example, tmp / file, names, s.check_atol, s.check_rtol)
+            log.info("%s graph exported, checked and compared in %.1fs", role, time.perf_counter() - t0)
+        tok_dir = tmp / TOKENIZER_DIR
+        tok_dir.mkdir()
+        for name in TOKENIZER_FILES:
+            if (Path(s.target) / name).is_file():
+                shutil.copy2(Path(s.target) / name, tok_dir / name)
+        write_engine_config(tmp, _engine_config(s, head, target))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    assert (out / CONFIG_FILE).is_file()
+    return out

@@ -1,0 +1,88 @@
+"""`jetflow::TreeAttention` in ONNX: its schema and the exporter's translation of the torch custom op.
+
+The schema is registered with `onnx.defs` so that onnxscript can emit the node, `onnx.checker` can check
+it (full check, with shape inference: the output has the query's type and shape), and readers of a graph
+see the documented contract. TensorRT's ONNX parser maps the node to the plugin named `TreeAttention`
+(version `plugin_version`, namespace `plugin_namespace`); the domain is not used for that lookup.
+"""
+
+from __future__ import annotations
+
+import onnx
+import onnxscript
+import torch
+from onnx.defs import OpSchema
+
+from export.contract import PLUGIN_NAMESPACE, PLUGIN_VERSION, TREE_ATTENTION_DOMAIN, TREE_ATTENTION_OP
+
+_DOC = (
+    "Tree-causal attention (see jetflow_pl/ops/tree_attention.py). query [B,Hq,N,d]; past_key/past_value "
+    "[B,Hkv,P,d] always visible; key/value [B,Hkv,N,d] visible where bit j of packed_mask[i] is set "
+    "(int32 [N, ceil(N/32)], LSB first); output [B,Hq,N,d]."
+)
+
+
+def _schema() -> OpSchema:
+    param = OpSchema.FormalParameter
+    attr = OpSchema.Attribute
+    return OpSchema(
+        TREE_ATTENTION_OP,
+        TREE_ATTENTION_DOMAIN,
+        1,
+        doc=_DOC,
+        inputs=[
+            param("query", "T"),
+            param("past_key", "T"),
+            param("past_value", "T"),
+            param("key", "T"),
+            param("value", "T"),
+            param("packed_mask", "tensor(int32)"),
+        ],
+        outputs=[param("output", "T")],
+        type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "float types")],
+        attributes=[
+            attr("scale", OpSchema.AttrType.FLOAT, "softmax scale"),
+            attr("num_heads", OpSchema.AttrType.INT, "query heads Hq"),
+            attr("num_kv_heads", OpSchema.AttrType.INT, "key/value heads Hkv (GQA when < Hq)"),
+            attr("head_size", OpSchema.AttrType.INT, "head dimension d"),
+            attr("plugin_version", OpSchema.AttrType.STRING, "TensorRT plugin version"),
+            attr("plugin_namespace", OpSchema.AttrType.STRING, "TensorRT plugin namespace"),
+        ],
+    )
+
+
+def register_schema() -> None:
+    """Register the TreeAttention schema once per process (idempotent)."""
+    if onnx.defs.has(TREE_ATTENTION_OP, TREE_ATTENTION_DOMAIN):
+        return
+    onnx.defs.register_schema(_schema())
+
+
+register_schema()
+_JETFLOW = onnxscript.values.Opset(TREE_ATTENTION_DOMAIN, 1)
+_TREE_ATTENTION = onnxscript.values.Op(_JETFLOW, TREE_ATTENTION_OP)
+
+
+def tree_attention_to_onnx(query, past_key, past_value, key, value, packed_mask, scale: float):
+    """Translation of `jetflow::tree_attention` (torch.onnx dynamo exporter): one TreeAttention node."""
+    return _TREE_ATTENTION(
+        query,
+        past_key,
+        past_value,
+        key,
+        value,
+        packed_mask,
+        scale=float(scale),
+        num_heads=int(query.shape[1]),
+        num_kv_heads=int(key.shape[1]),
+        head_size=int(query.shape[3]),
+        plugin_version=PLUGIN_VERSION,
+        plugin_namespace=PLUGIN_NAMESPACE,
+    )
+
+
+def translation_table() -> dict:
+    """`custom_translation_table` for `torch.onnx.export(..., dynamo=True)`."""
+    import jetflow_pl.ops  # noqa: F401  (registers the torch op)
+
+    return {torch.ops.jetflow.tree_attention.default: tree_attention_to_onnx}

@@ -1,0 +1,102 @@
+"""ONNX Runtime sessions for exported graphs, including the `plugin` variant's TreeAttention nodes.
+
+`plugin` graphs carry `jetflow::TreeAttention` nodes (meant for the TensorRT plugin). On plain ONNX
+Runtime they run through an onnxruntime-extensions Python custom op that computes the reference
+implementation. onnxruntime-extensions only serves Python ops in the domain `ai.onnx.contrib`, so the
+loader rewrites the node domain in memory before building the session; the file on disk is untouched.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+
+from export.contract import TREE_ATTENTION_DOMAIN, TREE_ATTENTION_OP
+
+#: the only domain onnxruntime-extensions accepts for Python custom ops
+PYOP_DOMAIN = "ai.onnx.contrib"
+_PYOP_REGISTERED = False
+
+
+def _register_tree_attention_pyop() -> None:
+    """Register the TreeAttention Python op with onnxruntime-extensions (once per process)."""
+    global _PYOP_REGISTERED
+    if _PYOP_REGISTERED:
+        return
+    try:
+        from onnxruntime_extensions import PyCustomOpDef, onnx_op
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "running a 'plugin' engine on ONNX Runtime needs onnxruntime-extensions "
+            "(pip install 'jetflow-pl[export]'), or export the 'portable' variant instead"
+        ) from err
+
+    from jetflow_pl.ops import tree_attention_reference
+
+    dt = PyCustomOpDef
+    floats = [dt.dt_float] * 5
+
+    @onnx_op(
+        op_type=TREE_ATTENTION_OP,
+        domain=PYOP_DOMAIN,
+        inputs=[*floats, dt.dt_int32],
+        outputs=[dt.dt_float],
+        attrs={
+            "scale": dt.dt_float,
+            "num_heads": dt.dt_int64,
+            "num_kv_heads": dt.dt_int64,
+            "head_size": dt.dt_int64,
+            "plugin_version": dt.dt_string,
+            "plugin_namespace": dt.dt_string,
+        },
+    )
+    def tree_attention_pyop(query, past_key, past_value, key, value, packed_mask, **attrs):
+        tensors = [
+            torch.from_numpy(np.ascontiguousarray(a)) for a in (query, past_key, past_value, key, value)
+        ]
+        mask = torch.from_numpy(np.ascontiguousarray(packed_mask, dtype=np.int32))
+        with torch.no_grad():
+            out = tree_attention_reference(*tensors, mask, float(attrs["scale"]))
+        return out.numpy()
+
+    _PYOP_REGISTERED = True
+
+
+def uses_tree_attention_nodes(model: onnx.ModelProto) -> bool:
+    return any(n.domain == TREE_ATTENTION_DOMAIN for n in model.graph.node)
+
+
+def _retarget_domain(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Move `jetflow` nodes (and the opset import) into onnxruntime-extensions' domain, in memory."""
+    for node in model.graph.node:
+        if node.domain == TREE_ATTENTION_DOMAIN:
+            node.domain = PYOP_DOMAIN
+    imports = [o for o in model.opset_import if o.domain != TREE_ATTENTION_DOMAIN]
+    del model.opset_import[:]
+    model.opset_import.extend(imports)
+    if not any(o.domain == PYOP_DOMAIN for o in imports):
+        model.opset_import.append(onnx.helper.make_opsetid(PYOP_DOMAIN, 1))
+    return model
+
+
+def make_session(path: str | Path, intra_op_threads: int | None = None):
+    """An ONNX Runtime CPU session for an exported graph (either variant)."""
+    import onnxruntime as ort
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"ONNX graph not found: {path}")
+    options = ort.SessionOptions()
+    if intra_op_threads is not None:
+        options.intra_op_num_threads = int(intra_op_threads)
+    model = onnx.load(str(path))
+    if uses_tree_attention_nodes(model):
+        _register_tree_attention_pyop()
+        from onnxruntime_extensions import get_library_path
+
+        options.register_custom_ops_library(get_library_path())
+        model = _retarget_domain(model)
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
