@@ -12,9 +12,10 @@ one step cannot take the others down; results are written to the JSON after ever
     cuda_ext_numerics  the extension vs `tree_attention_reference` (fp64) over dtypes, d, N, P, GQA
     triton_numerics    the compiled Triton kernel vs the same reference and shapes
     timing             SDPA with a dense mask vs the extension vs the Triton kernel (decode-like shapes)
-    tensorrt_engines   `jetflow-export --engine` (both variants) where `import tensorrt` works, then
-                       runs each engine once at its optimisation-profile shapes
     pytest_gpu         `pytest -m gpu`
+    tensorrt_engines   where `import tensorrt` works: CMake-build the TreeAttention plugin, then
+                       `jetflow-export --engine` for both variants, and run each engine once at its
+                       optimisation-profile `opt` shapes (outputs must be finite)
 
 `--dry-run` (automatic when no CUDA device is present) goes through the same orchestration on the CPU
 and records every step as skipped with its reason; it is what the CPU test suite runs. `--cpu-smoke`
@@ -46,7 +47,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = Path("gpu_check_results/results.json")
-DEFAULT_BUDGET_S = 420.0  # the whole run; gpu_check.sh adds a hard 8-minute cap around it
+DEFAULT_BUDGET_S = 450.0  # the whole run; gpu_check.sh adds a hard 8-minute cap around it
 STATUS_PASSED, STATUS_FAILED, STATUS_SKIPPED = "passed", "failed", "skipped"
 
 # (B, Hq, Hkv, N, P, d): numerics shapes (every dtype) - MHA/GQA, one/multi-word masks, P 0..2048
@@ -106,6 +107,17 @@ class Context:
     @property
     def quick(self) -> bool:
         return bool(self.args.quick) or self.device == "cpu"
+
+    def limit(self, seconds: float) -> float:
+        """`seconds`, cut so a subprocess of this step ends (and is killed) before the step's own deadline.
+
+        The orchestrator kills a late step's process group, which does not reach a subprocess the step
+        started in its own group, so nested timeouts must expire first.
+        """
+        deadline = getattr(self.args, "deadline_epoch", None)
+        if deadline is None:
+            return seconds
+        return max(1.0, min(seconds, deadline - time.time() - 5.0))
 
     def passed(self, step: str) -> bool:
         return self.previous.get(step, {}).get("status") == STATUS_PASSED
@@ -482,6 +494,45 @@ def _find_head(ctx: Context) -> Path:
     return out
 
 
+def _build_trt_plugin(ctx: Context, rec: Recorder) -> Path:
+    """CMake-build `libjetflow_trt_plugins.so` (TensorRT headers via TensorRT_ROOT or default paths)."""
+    import torch
+
+    src = REPO / "trt_plugins" / "tree_attention"
+    cmake = shutil.which("cmake")
+    if not (src / "CMakeLists.txt").exists() or cmake is None:
+        raise RuntimeError(
+            f"cannot build the plugin: CMakeLists.txt present={(src / 'CMakeLists.txt').exists()}, cmake={cmake}"
+        )
+    build = ctx.work_dir / "trt_plugin_build"
+    arch = "".join(map(str, torch.cuda.get_device_capability(0)))
+    configure = [cmake, "-S", str(src), "-B", str(build), f"-DCMAKE_CUDA_ARCHITECTURES={arch}"]
+    if os.environ.get("TensorRT_ROOT"):
+        configure.append(f"-DTensorRT_ROOT={os.environ['TensorRT_ROOT']}")
+    entry: dict[str, Any] = {}
+    rec.details["plugin_build"] = entry
+    for label, cmd, limit in (
+        ("configure", configure, 90.0),
+        ("build", [cmake, "--build", str(build), "-j"], 240.0),
+    ):
+        t0 = time.perf_counter()
+        rc, out = run_killable(cmd, ctx.limit(limit), cwd=REPO)
+        entry[label] = {
+            "cmd": " ".join(cmd),
+            "rc": rc,
+            "seconds": round(time.perf_counter() - t0, 1),
+            "output_tail": out[-2500:],
+        }
+        rec.save()
+        if rc != 0:
+            raise RuntimeError(f"plugin {label} failed (rc={rc})")
+    lib = build / "libjetflow_trt_plugins.so"
+    if not lib.exists():
+        raise RuntimeError(f"plugin build succeeded but {lib} is missing")
+    entry["library"] = str(lib)
+    return lib
+
+
 def step_tensorrt_engines(ctx: Context, rec: Recorder) -> str:
     try:
         import tensorrt as trt
@@ -494,19 +545,34 @@ def step_tensorrt_engines(ctx: Context, rec: Recorder) -> str:
         vocab = int(json.load(f).get("vocab_size", 2))
     failures: list[str] = []
     for variant in ("portable", "plugin"):
+        entry: dict[str, Any] = {}
+        rec.details[variant] = entry
+        plugin_lib: Path | None = None
+        if variant == "plugin":
+            try:
+                plugin_lib = Path(ctx.args.plugin_lib) if ctx.args.plugin_lib else _build_trt_plugin(ctx, rec)
+            except Exception as exc:
+                entry["error"] = f"{type(exc).__name__}: {exc}"[:1000]
+                failures.append(f"plugin: {entry['error'][:120]}")
+                rec.save()
+                continue
         out_dir = ctx.work_dir / f"engine_{variant}"
         cmd = [sys.executable, "-m", "export.cli", "--head", str(head), "--target", str(ctx.args.target)]
-        cmd += ["--out", str(out_dir), "--variant", variant, "--engine", *ctx.args.export_arg]
-        entry: dict[str, Any] = {"cmd": " ".join(cmd)}
-        rec.details[variant] = entry
+        cmd += ["--out", str(out_dir), "--variant", variant, "--engine", "--overwrite"]
+        if plugin_lib is not None:
+            cmd += ["--plugin-lib", str(plugin_lib)]
+        cmd += list(ctx.args.export_arg)
+        entry["cmd"] = " ".join(cmd)
         t0 = time.perf_counter()
-        rc, out = run_killable(cmd, ctx.args.export_timeout_s, cwd=REPO)
+        rc, out = run_killable(cmd, ctx.limit(ctx.args.export_timeout_s), cwd=REPO)
         entry.update(rc=rc, seconds=round(time.perf_counter() - t0, 1), output_tail=out[-3000:])
         rec.save()
         if rc != 0:
             failures.append(f"{variant}: export " + ("timed out" if rc is None else f"rc={rc}"))
             continue
         try:
+            if plugin_lib is not None:
+                trt.get_plugin_registry().load_library(str(plugin_lib))
             config = json.loads((out_dir / "config.json").read_text())
             engines = config.get("engines") or {}
             if not engines:
@@ -515,20 +581,23 @@ def step_tensorrt_engines(ctx: Context, rec: Recorder) -> str:
             for graph, file in engines.items():
                 entry["engines"][graph] = _run_engine(trt, out_dir / file, vocab)
                 rec.save()
+            bad = [g for g, info in entry["engines"].items() if not all(info["finite_outputs"].values())]
+            if bad:
+                failures.append(f"{variant}: non-finite outputs from {bad}")
         except Exception as exc:
             entry["run_error"] = f"{type(exc).__name__}: {exc}"[:1000]
             failures.append(f"{variant}: engine run failed")
         rec.save()
     if failures:
         raise StepFailed("; ".join(failures))
-    return "both variants exported, built and ran"
+    return "both variants exported, built and ran (finite outputs at the profile opt shapes)"
 
 
 def step_pytest_gpu(ctx: Context, rec: Recorder) -> str:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rA", "-p", "no:cacheprovider", "tests"]
     rec.details["cmd"] = " ".join(cmd)
-    rc, out = run_killable(cmd, ctx.args.pytest_timeout_s, cwd=REPO, env=env)
+    rc, out = run_killable(cmd, ctx.limit(ctx.args.pytest_timeout_s), cwd=REPO, env=env)
     rec.details.update(rc=rc, output_tail=out[-6000:])
     summary_lines = [
         ln
@@ -549,12 +618,17 @@ def step_pytest_gpu(ctx: Context, rec: Recorder) -> str:
 
 
 STEPS = [
-    Step("cuda_ext_build", step_cuda_ext_build, 240, "build/load the CUDA torch extension"),
+    Step("cuda_ext_build", step_cuda_ext_build, 200, "build/load the CUDA torch extension"),
     Step("cuda_ext_numerics", step_cuda_ext_numerics, 90, "CUDA extension vs reference"),
-    Step("triton_numerics", step_triton_numerics, 150, "Triton kernel vs reference", cpu_smoke=True),
+    Step("triton_numerics", step_triton_numerics, 180, "Triton kernel vs reference", cpu_smoke=True),
     Step("timing", step_timing, 120, "SDPA dense mask vs CUDA ext vs Triton", cpu_smoke=True),
-    Step("tensorrt_engines", step_tensorrt_engines, 300, "jetflow-export --engine, run engines"),
     Step("pytest_gpu", step_pytest_gpu, 180, "pytest -m gpu"),
+    Step(
+        "tensorrt_engines",
+        step_tensorrt_engines,
+        420,
+        "plugin CMake build, jetflow-export --engine, run engines",
+    ),
 ]
 STEP_NAMES = [s.name for s in STEPS]
 
@@ -575,6 +649,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=str(REPO / "data_gen/toy/assets/small"), help="target for the engines")
     p.add_argument("--head", default=None, help="draft head for the engines (default: quickstart or random)")
     p.add_argument("--export-arg", action="append", default=[], help="extra argument for jetflow-export")
+    p.add_argument(
+        "--plugin-lib", default=None, help="prebuilt TreeAttention plugin .so (default: CMake-build it)"
+    )
     p.add_argument("--export-timeout-s", type=float, default=140.0)
     p.add_argument("--pytest-timeout-s", type=float, default=170.0)
     # internal: run one step in this process
@@ -582,6 +659,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-out", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--state", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--work-dir", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--deadline-epoch", type=float, default=None, help=argparse.SUPPRESS)
     return p
 
 
@@ -658,6 +736,8 @@ def _child_cmd(
     cmd += ["--pytest-timeout-s", str(args.pytest_timeout_s)]
     if args.head:
         cmd += ["--head", args.head]
+    if args.plugin_lib:
+        cmd += ["--plugin-lib", args.plugin_lib]
     for extra in args.export_arg:
         cmd += [f"--export-arg={extra}"]
     if args.quick:
@@ -728,7 +808,7 @@ def _run_child(
 ) -> dict[str, Any]:
     step_out = tmp / f"{step.name}.json"
     timeout = max(1.0, min(step.timeout_s, deadline - time.perf_counter()))
-    cmd = _child_cmd(args, step, step_out, state, work_dir)
+    cmd = _child_cmd(args, step, step_out, state, work_dir) + [f"--deadline-epoch={time.time() + timeout}"]
     t0 = time.perf_counter()
     rc, out = run_killable(cmd, timeout, cwd=REPO)
     why = f"timed out after {timeout:.0f} s" if rc is None else None

@@ -16,7 +16,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gpu_check.py"
-STEPS = ["cuda_ext_build", "cuda_ext_numerics", "triton_numerics", "timing", "tensorrt_engines", "pytest_gpu"]
+STEPS = ["cuda_ext_build", "cuda_ext_numerics", "triton_numerics", "timing", "pytest_gpu", "tensorrt_engines"]
 
 
 def _run(*args: str, tmp_path: Path, timeout: float = 120) -> subprocess.CompletedProcess:
