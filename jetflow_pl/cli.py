@@ -7,13 +7,57 @@ unknown keys and wrong types are rejected by jsonargparse with the key named.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
+from jsonargparse import ActionConfigFile
 from lightning.pytorch import LightningDataModule, LightningModule
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from jetflow_pl.errors import UserInputError
+from jetflow_pl.errors import NumericalError, UserInputError
+
+_CLASS_PROBLEM = re.compile(r"^(\s*)- Problem with given class_path '([^']+)':\s*$")
+
+
+def concise_parser_error(message: str) -> str:
+    """jsonargparse's message for a bad `model:`/`data:` block, cut to the part that names the key.
+
+    For a subclass-mode key it reports "does not validate against any of the Union subtypes", the
+    subtypes, the NoneType alternative and the whole given dict; the one useful line is the problem
+    with the given class_path. Keep that (`model (pkg.Class): Option 'x' is not accepted`) and drop the
+    rest; any other message is returned unchanged.
+    """
+    lines = message.splitlines()
+    head = re.match(r'Parser key "([^"]+)":', lines[0]) if lines else None
+    for i, line in enumerate(lines):
+        m = _CLASS_PROBLEM.match(line)
+        if not m or head is None:
+            continue
+        indent = len(m.group(1))
+        body = []
+        for nxt in lines[i + 1 :]:
+            stripped = nxt.strip()
+            if not stripped or (len(nxt) - len(nxt.lstrip()) <= indent):
+                break
+            body.append(stripped)
+        return f"{head.group(1)} ({m.group(2)}): {' '.join(body)}"
+    return message
+
+
+class JetflowArgumentParser(LightningArgumentParser):
+    """Parser errors as `error: <key and problem>` plus a tip, without the 60-line usage dump."""
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        # jsonargparse parses nested classes with exit_on_error off and relies on the exception
+        if not self.exit_on_error:
+            super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        prog = parser.prog.replace(" [options]", "").replace("__main__.py", "python -m jetflow_pl")
+        sys.stderr.write(f"error: {concise_parser_error(message)}\n")
+        sys.stderr.write(f"tip: `{prog} --help` lists the accepted options\n")
+        self.exit(2)
 
 
 class JetflowCLI(LightningCLI):
@@ -22,6 +66,24 @@ class JetflowCLI(LightningCLI):
     `python -m jetflow_pl generate --help` documents the speculative-decoding subcommand, which is
     dispatched before this parser runs.
     """
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        """LightningCLI's parser, as `JetflowArgumentParser` so a bad config is one short message."""
+        kwargs.setdefault("dump_header", [f"lightning.pytorch=={_lightning_version()}"])
+        parser = JetflowArgumentParser(**kwargs)
+        parser.add_argument(
+            "-c",
+            "--config",
+            action=ActionConfigFile,
+            help="Path to a configuration file in json or yaml format.",
+        )
+        return parser
+
+
+def _lightning_version() -> str:
+    import lightning.pytorch as pl
+
+    return pl.__version__
 
 
 def lightning_main(args: Sequence[str] | None = None) -> JetflowCLI:
@@ -36,6 +98,22 @@ def lightning_main(args: Sequence[str] | None = None) -> JetflowCLI:
     )
 
 
+def find_user_error(err: BaseException) -> UserInputError | None:
+    """The `UserInputError` behind `err`, if any.
+
+    jsonargparse re-raises an error from a class's `__init__` (subclass mode) as a plain ValueError
+    ("Does not validate against any of the Union subtypes") chained to the original, so look along the
+    `__cause__` / `__context__` chain too.
+    """
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, UserInputError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Dispatch `generate` to its own parser; everything else is LightningCLI's."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -45,8 +123,14 @@ def main(argv: Sequence[str] | None = None) -> None:
 
             sys.exit(generate_main(args[1:]))
         lightning_main(argv)
-    except UserInputError as err:
+    except NumericalError as err:
         print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
+    except Exception as err:
+        user_error = find_user_error(err)
+        if user_error is None:
+            raise
+        print(f"error: {user_error}", file=sys.stderr)
         sys.exit(2)
 
 
