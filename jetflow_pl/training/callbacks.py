@@ -6,6 +6,10 @@
 - `HFHeadExport`: writes the head with `save_pretrained` as `<dirpath>/last` (at the end of training, and
   every `every_n_steps` if set) and `<dirpath>/best` (whenever the monitored metric, `val/tau` by
   default, improves); both load with `DraftHead.from_pretrained`.
+
+Both work under every strategy: values that decide an export are broadcast from rank 0 (so every rank
+takes the same branch of a collective), and under FSDP the head's full weights are gathered on every
+rank (`summon_full_params`) before the decoder runs or rank 0 saves them.
 """
 
 from __future__ import annotations
@@ -13,11 +17,32 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
+
+
+@contextmanager
+def full_head_params(trainer: Trainer) -> Iterator[None]:
+    """Whole (unsharded) head weights inside the block, on every rank; a no-op unless under FSDP.
+
+    Outside `training_step` an FSDP-wrapped module holds only flat shards, so a decoder run or a
+    `save_pretrained` there would see partial tensors. Collective: every rank must enter it.
+    """
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    strategy = trainer.strategy
+    if isinstance(strategy, FSDPStrategy) and strategy.model is not None:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(strategy.model, writeback=False):
+            yield
+    else:
+        yield
 
 
 def _log_value(trainer: Trainer, name: str, value: float) -> None:
@@ -129,7 +154,11 @@ class AcceptanceLengthCallback(Callback):
         if self._last_step == trainer.global_step:
             return
         self._last_step = trainer.global_step
-        stats = self.measure(pl_module)
+        with full_head_params(trainer):
+            stats = self.measure(pl_module)
+        # every rank decoded the same prompts with the same head; take rank 0's number so that all ranks
+        # agree on whether HFHeadExport exports (a collective under FSDP)
+        stats["tau"] = float(trainer.strategy.broadcast(float(stats["tau"]), src=0))
         stats["step"] = trainer.global_step
         self.history.append(stats)
         _log_value(trainer, self.metric_name, stats["tau"])
@@ -191,10 +220,12 @@ class HFHeadExport(Callback):
         return self.dirpath / "last"
 
     def _write(self, trainer: Trainer, pl_module: LightningModule, out: Path, value: float | None) -> None:
-        if not trainer.is_global_zero:
-            return
-        out.mkdir(parents=True, exist_ok=True)
-        pl_module.head.save_pretrained(str(out))
+        """Rank 0 saves; every rank must call this (the FSDP gather is collective)."""
+        with full_head_params(trainer):
+            if not trainer.is_global_zero:
+                return
+            out.mkdir(parents=True, exist_ok=True)
+            pl_module.head.save_pretrained(str(out))
         info = {"global_step": trainer.global_step, "monitor": self.monitor, "value": value}
         (out / "export_info.json").write_text(json.dumps(info, indent=2))
 
@@ -206,8 +237,11 @@ class HFHeadExport(Callback):
         return value > self.best_value if self.mode == "max" else value < self.best_value
 
     def offer(self, trainer: Trainer, pl_module: LightningModule, value: float) -> bool:
-        """Export `best/` if `value` (just measured for the current head) improves on the best."""
-        value = float(value)
+        """Export `best/` if `value` (just measured for the current head) improves on the best.
+
+        Call on every rank: rank 0's value decides for all of them.
+        """
+        value = float(trainer.strategy.broadcast(float(value), src=0))
         if not self._better(value):
             return False
         self.best_value, self.best_step = value, trainer.global_step

@@ -24,17 +24,33 @@ Packing (`split_documents`):
 
 Padding rows carry `pad_token_id`, their own doc id (never merged with a real document) and
 `loss_mask=False`, so no anchor and no attention ever reaches them.
+
+Regenerate if absent (`regenerate_config`): when `dataset_path` does not exist, `prepare_data` (Lightning
+runs it once per node, on local rank 0, before any `setup`) runs the regeneration stage first, i.e.
+exactly `python -m jetflow_pl predict --config <regenerate_config>` with the writer's `output_dir` pointed
+at a staging folder next to `dataset_path` and `regenerate_overrides` applied. It runs in a subprocess so
+that its own Trainer cannot disturb the fit's (process group, devices, seeds). Only a finished run is
+renamed to `dataset_path` (one atomic `rename`), so an interrupted regeneration never looks like a
+dataset; rerunning `fit` resumes the staging run (the regeneration writer skips finished ids).
 """
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset, Sampler
+
+from jetflow_pl.errors import UserInputError
 
 DEFAULT_TOY_COUNTS = {"math": 6000, "code": 1000, "prose": 500}
 
@@ -46,13 +62,19 @@ def load_regenerated(path: str | Path) -> list[dict]:
 
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"dataset_path {str(path)!r} does not exist")
+        raise UserInputError(
+            f"dataset_path {str(path)!r} does not exist (regenerate it with `python -m jetflow_pl predict "
+            "--config configs/regenerate/...`, or set data.init_args.regenerate_config to do it here)"
+        )
     if (path / "dataset").is_dir():
         path = path / "dataset"
-    ds = load_from_disk(str(path))
+    try:
+        ds = load_from_disk(str(path))
+    except (FileNotFoundError, ValueError) as err:
+        raise UserInputError(f"dataset_path {str(path)!r} is not a saved dataset ({err})") from err
     missing = [c for c in ("input_ids", "loss_mask") if c not in ds.column_names]
     if missing:
-        raise ValueError(
+        raise UserInputError(
             f"dataset at {str(path)!r} lacks column(s) {missing}; expected the regeneration schema "
             "(id, domain, input_ids, loss_mask, prompt_len, response, finish_reason)"
         )
@@ -61,7 +83,7 @@ def load_regenerated(path: str | Path) -> list[dict]:
     for row in ds.select_columns(cols):
         ids, mask = list(row["input_ids"]), [bool(m) for m in row["loss_mask"]]
         if len(ids) != len(mask):
-            raise ValueError(f"a row of {str(path)!r} has input_ids and loss_mask of different lengths")
+            raise UserInputError(f"a row of {str(path)!r} has input_ids and loss_mask of different lengths")
         docs.append({"input_ids": ids, "loss_mask": mask, "domain": row.get("domain", "") or ""})
     return docs
 
@@ -84,13 +106,107 @@ def toy_documents(tokenizer_path: str | Path, counts: dict[str, int], seed: int)
     return docs
 
 
+# ---------------------------------------------------------------------------------------- regeneration
+def dataset_ready(path: str | Path) -> bool:
+    """True when `path` holds a saved dataset (or a regeneration output root with one in `dataset/`)."""
+    path = Path(path)
+    return any(
+        (d / "dataset_info.json").is_file() or (d / "state.json").is_file() for d in (path, path / "dataset")
+    )
+
+
+def set_dotted(cfg: dict, key: str, value: Any) -> None:
+    """`cfg["a"]["b"]["c"] = value` for `key="a.b.c"` (missing dicts are created; lists are refused)."""
+    node = cfg
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise UserInputError(
+                f"regenerate_overrides: {key!r} goes through {part!r}, which is not a mapping"
+            )
+        node = child
+    node[parts[-1]] = value
+
+
+def regeneration_config(config_path: str | Path, output_dir: Path, overrides: dict[str, Any] | None) -> dict:
+    """The predict config of `config_path` with `overrides` applied and its writer aimed at `output_dir`."""
+    import yaml
+
+    path = Path(config_path)
+    if not path.is_file():
+        raise UserInputError(f"regenerate_config {str(path)!r} does not exist")
+    cfg = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(cfg, dict):
+        raise UserInputError(f"regenerate_config {str(path)!r} is not a mapping")
+    for key, value in (overrides or {}).items():
+        set_dotted(cfg, str(key), value)
+    trainer = cfg.setdefault("trainer", {})
+    writers = [
+        cb
+        for cb in trainer.get("callbacks") or []
+        if isinstance(cb, dict) and str(cb.get("class_path", "")).endswith("RegenerationWriter")
+    ]
+    if len(writers) != 1:
+        raise UserInputError(
+            f"regenerate_config {str(path)!r} must have exactly one RegenerationWriter callback, found {len(writers)}"
+        )
+    writers[0].setdefault("init_args", {})["output_dir"] = str(output_dir)
+    trainer["default_root_dir"] = str(output_dir.parent / "logs")
+    return cfg
+
+
+def regenerate_dataset(
+    config_path: str | Path, dataset_path: str | Path, overrides: dict[str, Any] | None = None
+) -> Path:
+    """Run the regeneration stage (`python -m jetflow_pl predict`) and move its output to `dataset_path`.
+
+    The run writes into `<parent>/.<name>.regenerating/out` (resumable: a rerun after a crash continues
+    it) and is renamed to `dataset_path` only once its merged `dataset/` exists, so readers never see a
+    half-written dataset. Returns `dataset_path`.
+    """
+    import yaml
+
+    dest = Path(dataset_path)
+    staging = dest.parent / f".{dest.name}.regenerating"
+    out = staging / "out"
+    cfg = regeneration_config(config_path, out, overrides)
+    staging.mkdir(parents=True, exist_ok=True)
+    cfg_file = staging / "regenerate.yaml"
+    cfg_file.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    cmd = [sys.executable, "-m", "jetflow_pl", "predict", "--config", str(cfg_file)]
+    rank_zero_info(
+        f"[DistillDataModule] {str(dest)!r} does not exist: regenerating it with the target first\n"
+        f"  {' '.join(cmd)}   (from {config_path}; output renamed to {dest} when complete)"
+    )
+    rc = subprocess.run(cmd, check=False).returncode
+    if rc != 0:
+        msg = (
+            f"regenerating {str(dest)!r} failed: `{' '.join(cmd)}` exited with status {rc} (its output is "
+            f"above); rerun to resume it, or delete {str(staging)!r} to start over"
+        )
+        raise UserInputError(msg) if rc == 2 else RuntimeError(msg)
+    if not dataset_ready(out):
+        raise RuntimeError(f"the regeneration run finished but {str(out / 'dataset')!r} was not written")
+    shutil.copyfile(cfg_file, out / "regenerate.yaml")  # provenance, inside the folder before the rename
+    try:
+        os.rename(out, dest)
+    except OSError:
+        if not dataset_ready(dest):  # not a concurrent run that finished first (e.g. another node)
+            raise
+    shutil.rmtree(staging, ignore_errors=True)
+    return dest
+
+
 def apply_domain_weights(docs: list[dict], weights: dict[str, float] | None, seed: int) -> list[dict]:
     """Repeat each document `floor(w)` times plus once more with probability `w - floor(w)` (seeded)."""
     if not weights:
         return docs
     for d, w in weights.items():
         if w < 0:
-            raise ValueError(f"domain_weights[{d!r}] must be >= 0, got {w}")
+            raise UserInputError(f"domain_weights[{d!r}] must be >= 0, got {w}")
     rng = random.Random(seed)
     out: list[dict] = []
     for doc in docs:
@@ -214,6 +330,10 @@ class DistillDataModule(LightningDataModule):
 
     Args:
         dataset_path: a regenerated dataset folder (or the regeneration output root). `None` = toy corpora.
+        regenerate_config: a regeneration (predict) config; if `dataset_path` does not exist,
+            `prepare_data` creates it by running that config (module docstring).
+        regenerate_overrides: dotted keys of that config to replace, e.g.
+            `{"data.init_args.source": "toy:all:train:1200", "model.init_args.target_path": ...}`.
         tokenizer_path: toy tokenizer folder (e.g. the target folder); required without `dataset_path`.
         toy_counts: documents per toy domain (`train_records(domain, n, seed)`), toy mode only.
         domain_weights: per-domain repeat factor applied before the split (missing domains: 1.0).
@@ -230,6 +350,8 @@ class DistillDataModule(LightningDataModule):
     def __init__(
         self,
         dataset_path: str | None = None,
+        regenerate_config: str | None = None,
+        regenerate_overrides: dict[str, Any] | None = None,
         tokenizer_path: str | None = None,
         toy_counts: dict[str, int] | None = None,
         domain_weights: dict[str, float] | None = None,
@@ -244,23 +366,27 @@ class DistillDataModule(LightningDataModule):
     ) -> None:
         super().__init__()
         if dataset_path is None and tokenizer_path is None:
-            raise ValueError(
+            raise UserInputError(
                 "DistillDataModule needs dataset_path (a regenerated folder) or tokenizer_path (toy corpora)"
             )
+        if regenerate_config is not None and dataset_path is None:
+            raise UserInputError("regenerate_config needs dataset_path (where the regenerated data goes)")
         if seq_len < 2:
-            raise ValueError(f"seq_len must be >= 2, got {seq_len}")
+            raise UserInputError(f"seq_len must be >= 2, got {seq_len}")
         if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+            raise UserInputError(f"batch_size must be >= 1, got {batch_size}")
         if not 0.0 <= val_fraction < 1.0:
-            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+            raise UserInputError(f"val_fraction must be in [0, 1), got {val_fraction}")
         if toy_counts is not None:
             from data_gen.toy.splits import DOMAINS
 
             bad = [d for d in toy_counts if d not in DOMAINS]
             if bad:
-                raise ValueError(f"toy_counts: unknown domain(s) {bad}; known: {list(DOMAINS)}")
+                raise UserInputError(f"toy_counts: unknown domain(s) {bad}; known: {list(DOMAINS)}")
         self.save_hyperparameters()
         self.dataset_path = dataset_path
+        self.regenerate_config = regenerate_config
+        self.regenerate_overrides = dict(regenerate_overrides) if regenerate_overrides else None
         self.tokenizer_path = tokenizer_path
         self.toy_counts = dict(toy_counts) if toy_counts is not None else dict(DEFAULT_TOY_COUNTS)
         self.domain_weights = dict(domain_weights) if domain_weights else None
@@ -294,12 +420,36 @@ class DistillDataModule(LightningDataModule):
                 return int(tok.pad_token_id)
         return 0
 
+    def prepare_data(self) -> None:
+        """Regenerate `dataset_path` with the target when it is missing and `regenerate_config` is set.
+
+        Lightning calls this on one process per node (local rank 0) before `setup` on every rank, so the
+        target generates the data once; the other ranks wait at the barrier and then read it.
+        """
+        if self.dataset_path is None or self.regenerate_config is None or dataset_ready(self.dataset_path):
+            return
+        if Path(self.dataset_path).exists():
+            raise UserInputError(
+                f"dataset_path {self.dataset_path!r} exists but holds no saved dataset; delete it to "
+                "regenerate, or point dataset_path elsewhere"
+            )
+        regenerate_dataset(self.regenerate_config, self.dataset_path, self.regenerate_overrides)
+
     def setup(self, stage: str | None = None) -> None:
         if self.train_rows is not None:
             return
         docs = self.load_documents()
         if not docs:
-            raise ValueError("no documents: the dataset is empty (or every toy_counts entry is 0)")
+            raise UserInputError(
+                f"no documents in {self.dataset_path or 'the toy corpora'!s}: the dataset is empty "
+                "(or every toy_counts entry is 0)"
+            )
+        n_resp = sum(1 for d in docs for m in d["loss_mask"] if m)
+        if n_resp == 0:
+            raise UserInputError(
+                f"the dataset {self.dataset_path or 'from the toy corpora'!s} has {len(docs)} documents but no "
+                "response tokens (loss_mask is 0 everywhere): nothing to distill; regenerate the responses"
+            )
         docs = apply_domain_weights(docs, self.domain_weights, self.seed)
         # hold out whole documents (after weighting a repeated document could straddle the split, so
         # split the distinct documents first)
@@ -322,7 +472,7 @@ class DistillDataModule(LightningDataModule):
         if self.max_val_rows is not None:
             self.val_rows = {k: v[: int(self.max_val_rows)] for k, v in self.val_rows.items()}
         if len(PackedRows(self.train_rows)) == 0:
-            raise ValueError("no training rows after packing")
+            raise UserInputError("no training rows after packing (every document went to validation)")
 
     def stats(self) -> dict[str, float]:
         """Rows and token usage of the packed training set (after `setup`)."""

@@ -61,13 +61,26 @@ def _chunk_loss(
     lm_head: nn.Module | Callable[[torch.Tensor], torch.Tensor],
     kind: str,
     temperature: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(weighted loss sum, student argmax, teacher argmax or labels) for one chunk of rows."""
+    skip_nonfinite_teacher: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(weighted loss sum, weight sum, student argmax, teacher argmax or labels, non-finite teacher rows)
+    for one chunk of rows.
+
+    A teacher row with a NaN/inf logit is counted; with `skip_nonfinite_teacher` its logits are replaced
+    by zeros and its weight by 0 *before* the loss, so neither the loss nor the gradient sees a NaN (a
+    `where` after the loss would not help: `0 * NaN` is NaN in the backward pass).
+    """
     s_logits = _logits(lm_head, student)
     t_logits = None
+    bad = torch.zeros((), dtype=torch.long, device=s_logits.device)
     if teacher is not None:
         with torch.no_grad():
             t_logits = _logits(lm_head, teacher.detach())
+            finite = torch.isfinite(t_logits).all(-1)
+            bad = (~finite).sum()
+            if skip_nonfinite_teacher and kind != "ce":  # CE reads the teacher only for agreement
+                t_logits = torch.where(finite.unsqueeze(-1), t_logits, torch.zeros_like(t_logits))
+                weights = weights * finite.to(weights.dtype)
     T = float(temperature)
     if kind == "ce":
         per_row = F.cross_entropy(s_logits, targets, reduction="none")
@@ -82,7 +95,7 @@ def _chunk_loss(
     loss_sum = (per_row * weights.to(per_row.dtype)).sum()
     s_top = s_logits.detach().argmax(-1)
     t_top = t_logits.argmax(-1) if t_logits is not None else targets
-    return loss_sum, s_top, t_top
+    return loss_sum, weights.sum(), s_top, t_top, bad
 
 
 def chunked_kl_loss(
@@ -97,6 +110,7 @@ def chunked_kl_loss(
     depth_index: torch.Tensor | None = None,
     num_depths: int | None = None,
     recompute: bool = True,
+    skip_nonfinite_teacher: bool = False,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """Distillation loss over `N` gathered rows, logits computed `chunk_size` rows at a time.
 
@@ -113,10 +127,13 @@ def chunked_kl_loss(
         depth_index: `[N]` offset index `k-1` of every row; with `num_depths` it yields per-depth counts.
         recompute: checkpoint each chunk (recompute its logits in backward) so the autograd graph holds
             no `[N, V]` tensor. Only used when a gradient is needed.
+        skip_nonfinite_teacher: drop (weight 0, finite placeholder logits) the rows whose teacher logits
+            hold a NaN/inf, instead of letting them turn the loss into NaN. Either way they are counted.
 
     Returns:
         `(loss, stats)`. stats: `agree` `[N]` bool (student argmax == teacher argmax), `weight_sum`,
-        `num_rows`, and with `depth_index`: `agree_correct`, `agree_total` `[num_depths]` long.
+        `num_rows`, `teacher_nonfinite` (rows whose teacher logits hold a NaN/inf; a long tensor), and
+        with `depth_index`: `agree_correct`, `agree_total` `[num_depths]` long.
     """
     if kind not in LOSS_KINDS:
         raise ValueError(f"loss kind must be one of {LOSS_KINDS}, got {kind!r}")
@@ -142,6 +159,8 @@ def chunked_kl_loss(
 
     use_ckpt = recompute and torch.is_grad_enabled() and student_hidden.requires_grad
     loss_sum = student_hidden.new_zeros((), dtype=torch.float32)
+    weight_sum = torch.zeros((), dtype=torch.float32, device=device)
+    nonfinite = torch.zeros((), dtype=torch.long, device=device)
     s_tops, t_tops = [], []
     for start in range(0, N, chunk_size):
         sl = slice(start, start + chunk_size)
@@ -151,24 +170,29 @@ def chunked_kl_loss(
             weights[sl],
             None if targets is None else targets[sl],
         )
+        extra = (lm_head, kind, temperature, skip_nonfinite_teacher)
         if use_ckpt:
-            part, s_top, t_top = checkpoint(
-                _chunk_loss, *args, lm_head, kind, temperature, use_reentrant=False
-            )
+            part, w_part, s_top, t_top, bad = checkpoint(_chunk_loss, *args, *extra, use_reentrant=False)
         else:
-            part, s_top, t_top = _chunk_loss(*args, lm_head, kind, temperature)
+            part, w_part, s_top, t_top, bad = _chunk_loss(*args, *extra)
         loss_sum = loss_sum + part
+        weight_sum = weight_sum + w_part.detach()
+        nonfinite = nonfinite + bad
         s_tops.append(s_top)
         t_tops.append(t_top)
 
-    weight_sum = weights.sum()
     if N == 0 or weight_sum <= 0:
         # keep the graph connected (e.g. DDP) while contributing nothing
         loss = student_hidden.sum().float() * 0.0
     else:
         loss = loss_sum / weight_sum
     agree = torch.cat(s_tops) == torch.cat(t_tops) if N else torch.zeros(0, dtype=torch.bool, device=device)
-    stats: dict[str, Any] = {"agree": agree, "weight_sum": weight_sum.detach(), "num_rows": N}
+    stats: dict[str, Any] = {
+        "agree": agree,
+        "weight_sum": weight_sum.detach(),
+        "num_rows": N,
+        "teacher_nonfinite": nonfinite,
+    }
     if depth_index is not None:
         if num_depths is None:
             raise ValueError("depth_index needs num_depths")

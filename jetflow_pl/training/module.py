@@ -8,6 +8,12 @@ Anchors are drawn from a `torch.Generator` re-seeded at every step from `(seed, 
 rank)`, so a run resumed from a checkpoint draws the same anchors at the same step as the original run.
 Validation uses fixed anchors (seeded by `seed` and the batch index) so its numbers are comparable
 across evaluations.
+
+Failing early and clearly: every argument and head/target/tokenizer mismatch is checked when the module
+is built (one `UserInputError`, which the CLI prints as one `error:` line, exit status 2), and every
+training step checks that the loss and the teacher logits are finite, so a diverged run stops at the
+step where it diverged (`NonFiniteLossError`, naming the global step) instead of training on NaN and
+exporting a broken head.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch import LightningModule
 
+from jetflow_pl.errors import NumericalError, UserInputError
 from jetflow_pl.head import DraftHead, DraftHeadConfig
 from jetflow_pl.target import TargetModel
 
@@ -27,6 +34,47 @@ from .metrics import DepthAgreement, SimulatedAcceptanceLength
 from .step import distill_step
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+NONFINITE_TEACHER_POLICIES = ("raise", "skip")
+
+
+class NonFiniteLossError(NumericalError):
+    """The training loss or the teacher logits became NaN/inf; the message names the global step.
+
+    Raised from `training_step`, i.e. before the optimizer step and before any checkpoint or head export
+    of that step, so the last checkpoint still holds finite weights to resume from.
+    """
+
+
+def _one_line(err: Exception) -> str:
+    """A multi-line problem list (`head.check_compatible`) as one line for the CLI's `error:` output."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    if len(lines) <= 1:
+        return lines[0] if lines else type(err).__name__
+    return f"{lines[0]} {'; '.join(lines[1:])}"
+
+
+def check_mask_against_tokenizer(target_path: str | Path, mask_token_id: int) -> None:
+    """Refuse a MASK id equal to the tokenizer's pad or EOS id (when the target folder has a tokenizer).
+
+    `DraftHead.check_compatible` compares with the target *config*; a tokenizer can name other special
+    ids (Qwen3's config has no pad id, its tokenizer pads with `<|endoftext|>`), and a MASK id equal to a
+    real pad/EOS id would make the head unable to tell "predict here" from "sequence over".
+    """
+    path = Path(target_path)
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError):
+        return
+    for name in ("pad_token_id", "eos_token_id"):
+        if getattr(tok, name, None) is not None and int(getattr(tok, name)) == int(mask_token_id):
+            raise UserInputError(
+                f"mask_token_id: {mask_token_id} equals the tokenizer's {name} in {str(path)!r}; "
+                "use a reserved id that is neither pad nor EOS"
+            )
 
 
 def default_mask_token_id(target_path: str | Path) -> int | None:
@@ -78,6 +126,16 @@ class DistillationModule(LightningModule):
             before any torch work, so that the intra-op worker threads created afterwards inherit it.
             On CPU the near-zero probabilities of the KL loss are denormal floats that can make a step
             ~15x slower.
+        check_finite: stop with `NonFiniteLossError` (naming the global step) when a training loss is
+            NaN/inf. One scalar device-to-host copy per step.
+        on_nonfinite_teacher: `raise` (stop, naming the step) or `skip` (drop those loss rows from the
+            step, log `train/teacher_nonfinite` and warn with the step) when teacher logits hold NaN/inf,
+            e.g. a bf16/fp16 target overflowing on some input. `skip` keeps the graph connected, so it is
+            safe under DDP.
+
+    Raises:
+        UserInputError: bad arguments, a head that does not fit the target (hidden size, vocab, layer
+            ids), a MASK id that is pad, EOS or outside the vocabulary: all before training starts.
     """
 
     def __init__(
@@ -103,6 +161,8 @@ class DistillationModule(LightningModule):
         target_dtype: str = "float32",
         head_overrides: dict | None = None,
         flush_denormal: bool = True,
+        check_finite: bool = True,
+        on_nonfinite_teacher: str = "raise",
     ) -> None:
         super().__init__()
         problems = []
@@ -126,39 +186,30 @@ class DistillationModule(LightningModule):
             problems.append(f"warmup_steps must be >= 0, got {warmup_steps}")
         if target_dtype not in _DTYPES:
             problems.append(f"target_dtype must be one of {list(_DTYPES)}, got {target_dtype!r}")
+        if on_nonfinite_teacher not in NONFINITE_TEACHER_POLICIES:
+            problems.append(
+                f"on_nonfinite_teacher must be one of {list(NONFINITE_TEACHER_POLICIES)}, "
+                f"got {on_nonfinite_teacher!r}"
+            )
         path = Path(target_path)
         if not (path / "config.json").is_file():
             problems.append(f"target_path {target_path!r} is not a model folder (no config.json)")
         if problems:
-            raise ValueError("DistillationModule: invalid arguments:\n  " + "\n  ".join(problems))
+            raise UserInputError("DistillationModule: invalid arguments: " + "; ".join(problems))
         self.save_hyperparameters()
         if flush_denormal:
             torch.set_flush_denormal(True)
 
         target = TargetModel.from_pretrained(path, dtype=_DTYPES[target_dtype])
-        if init_head_path is not None:
-            head = DraftHead.from_pretrained(init_head_path)
-        else:
-            if mask_token_id is None:
-                mask_token_id = default_mask_token_id(path)
-            if mask_token_id is None:
-                raise ValueError(
-                    f"mask_token_id: none given and none found for {target_path!r} (no toy tokenizer with "
-                    "<|mask|>, no config.mask_token_id); pass a reserved id that is neither pad nor EOS"
-                )
-            cfg = DraftHeadConfig.for_target(
-                target.config,
-                num_hidden_layers=num_head_layers,
-                block_size=block_size,
-                causal=causal,
-                mask_token_id=mask_token_id,
-                target_layer_ids=target_layer_ids,
-                **(head_overrides or {}),
-            )
-            torch.manual_seed(seed)
-            head = DraftHead(cfg)
-        # one clear error (every offending field named) before anything trains
-        head.check_compatible(target.config)
+        try:
+            head = self._build_head(target, path, mask_token_id, target_layer_ids)
+            # one clear error (every offending field named) before anything trains
+            head.check_compatible(target.config)
+            check_mask_against_tokenizer(path, int(head.mask_token_id))
+        except UserInputError:
+            raise
+        except ValueError as err:
+            raise UserInputError(_one_line(err)) from err
         target.set_taps(head.target_layer_ids)
         self.head = head
         # plain attribute, not a submodule: excluded from state_dict, optimizer and device moves
@@ -171,6 +222,38 @@ class DistillationModule(LightningModule):
         self._t0: float | None = None
         self._checked_vocab = False
         self._total_steps: int | None = None
+
+    def _build_head(
+        self,
+        target: TargetModel,
+        path: Path,
+        mask_token_id: int | None,
+        target_layer_ids: list[int] | None,
+    ) -> DraftHead:
+        """A fresh head for `target` (seeded), or the saved one of `init_head_path`."""
+        hp = self.hparams
+        if hp.init_head_path is not None:
+            if not Path(hp.init_head_path).is_dir():
+                raise UserInputError(f"init_head_path {hp.init_head_path!r} is not a folder")
+            return DraftHead.from_pretrained(hp.init_head_path)
+        if mask_token_id is None:
+            mask_token_id = default_mask_token_id(path)
+        if mask_token_id is None:
+            raise UserInputError(
+                f"mask_token_id: none given and none found for {str(path)!r} (no toy tokenizer with "
+                "<|mask|>, no config.mask_token_id); pass a reserved id that is neither pad nor EOS"
+            )
+        cfg = DraftHeadConfig.for_target(
+            target.config,
+            num_hidden_layers=hp.num_head_layers,
+            block_size=hp.block_size,
+            causal=hp.causal,
+            mask_token_id=mask_token_id,
+            target_layer_ids=target_layer_ids,
+            **(hp.head_overrides or {}),
+        )
+        torch.manual_seed(hp.seed)
+        return DraftHead(cfg)
 
     # ------------------------------------------------------------------ target
     @property
@@ -185,6 +268,36 @@ class DistillationModule(LightningModule):
     def num_depths(self) -> int:
         return self.head.block_size - 1
 
+    def setup(self, stage: str) -> None:
+        """Check the packed training rows (when the data module exposes them) before the first step."""
+        if stage != "fit" or self._trainer is None:
+            return
+        rows = getattr(self.trainer.datamodule, "train_rows", None)
+        if isinstance(rows, dict) and "input_ids" in rows and "loss_mask" in rows:
+            self.check_training_rows(rows["input_ids"], rows["loss_mask"], rows.get("doc_ids"))
+
+    def check_training_rows(
+        self, input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> None:
+        """Refuse data the head cannot learn from, with one `UserInputError`: token ids outside the
+        target vocabulary, or no position where a block of `block_size` fits inside a response."""
+        from .anchors import eligible_anchors
+
+        vocab = int(self.target.vocab_size)
+        if input_ids.numel() and (int(input_ids.max()) >= vocab or int(input_ids.min()) < 0):
+            raise UserInputError(
+                f"input_ids contain ids outside the target vocabulary [0, {vocab - 1}] (min "
+                f"{int(input_ids.min())}, max {int(input_ids.max())}): data and target do not match"
+            )
+        bs = self.head.block_size
+        if not bool(eligible_anchors(loss_mask.bool(), doc_ids, bs).any()):
+            n_resp = int(loss_mask.bool().sum())
+            raise UserInputError(
+                f"the training data has no anchor position: {n_resp} response (loss_mask) tokens, none "
+                f"with a whole block of block_size={bs} inside its document and row; regenerate the "
+                "responses, lower block_size or raise seq_len"
+            )
+
     def on_fit_start(self) -> None:
         self.head.check_compatible(self.target.config)
         self._t0 = time.monotonic()
@@ -197,7 +310,7 @@ class DistillationModule(LightningModule):
         if not self._checked_vocab:
             vocab = int(self.target.vocab_size)
             if ids.numel() and (int(ids.max()) >= vocab or int(ids.min()) < 0):
-                raise ValueError(
+                raise UserInputError(
                     f"input_ids contain ids outside the target vocabulary [0, {vocab - 1}] "
                     f"(min {int(ids.min())}, max {int(ids.max())}): data and target do not match"
                 )
@@ -220,7 +333,37 @@ class DistillationModule(LightningModule):
             decay_gamma=hp.decay_gamma,
             chunk_size=hp.chunk_size,
             generator=generator,
+            skip_nonfinite_teacher=hp.on_nonfinite_teacher == "skip",
         )
+
+    def _where(self, batch_idx: int) -> str:
+        return f"global step {self.global_step} (epoch {self.current_epoch}, batch {batch_idx})"
+
+    def check_finite_step(self, out: dict, batch_idx: int) -> None:
+        """Stop (or, for the teacher under `skip`, warn) when this step's numbers are not finite.
+
+        Called from `training_step`, before Lightning runs backward and the optimizer: raising here leaves
+        the weights of the last good step in place and no checkpoint/export of the bad step is written.
+        """
+        hp = self.hparams
+        bad = int(out.get("teacher_nonfinite", 0))
+        if bad:
+            msg = (
+                f"non-finite teacher logits at {self._where(batch_idx)}: {bad} of {out.get('num_rows', '?')} "
+                "loss rows hold NaN/inf (the frozen target's hidden states or lm_head; try "
+                "target_dtype: float32 and check the data)"
+            )
+            if hp.on_nonfinite_teacher == "raise":
+                raise NonFiniteLossError(msg + "; set on_nonfinite_teacher: skip to drop such rows")
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(msg + "; those rows were dropped from this step (on_nonfinite_teacher: skip)")
+        if hp.check_finite and not bool(torch.isfinite(out["loss"].detach())):
+            raise NonFiniteLossError(
+                f"non-finite training loss ({float(out['loss'].detach())}) at {self._where(batch_idx)}; "
+                "the run is stopped before this step's update. Lower lr, keep gradient_clip_val, check "
+                "the data, then resume from the last checkpoint (--ckpt_path)"
+            )
 
     def anchor_generator(self, batch_idx: int = 0) -> torch.Generator:
         accum = max(1, int(getattr(self.trainer, "accumulate_grad_batches", 1) or 1)) if self._trainer else 1
@@ -229,8 +372,11 @@ class DistillationModule(LightningModule):
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         out = self._step(batch, self.anchor_generator(batch_idx))
+        self.check_finite_step(out, batch_idx)
         bsz = int(batch["input_ids"].shape[0])
         self.log("train/loss", out["loss"], prog_bar=True, batch_size=bsz)
+        if self.hparams.on_nonfinite_teacher == "skip":
+            self.log("train/teacher_nonfinite", out["teacher_nonfinite"].float(), batch_size=bsz)
         rates = self.train_agree(out["agree_correct"], out["agree_total"])
         sim = self.train_sim_tau(out["agree_correct"], out["agree_total"])
         self.log("train/sim_tau", sim, prog_bar=True, batch_size=bsz)

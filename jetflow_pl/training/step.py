@@ -121,15 +121,18 @@ def distill_step(
     in_block: str | torch.Tensor | None = None,
     anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
     return_hidden: bool = False,
+    skip_nonfinite_teacher: bool = False,
 ) -> dict:
     """One distillation step on a batch `[B, S]`; returns the loss (with grad into the head) and metrics.
 
     The target must tap the head's layers (`target.tap_layer_ids == head.target_layer_ids`).
     `block_size` defaults to the head's, `in_block` to its config (`causal` for a JetFlow head).
     `anchors=(anchors, valid)` overrides sampling (tests, evaluation on fixed anchors).
+    `skip_nonfinite_teacher` drops loss rows whose teacher logits hold a NaN/inf (see `chunked_kl_loss`).
 
     Returns a dict: `loss` (scalar), `agree_correct` / `agree_total` (`[bs-1]` long per depth),
-    `num_blocks` (valid blocks), `anchors`, `valid`; with `return_hidden` also `student_hidden`,
+    `num_blocks` (valid blocks), `num_rows` (loss rows), `teacher_nonfinite` (loss rows whose teacher
+    logits hold a NaN/inf, a long tensor), `anchors`, `valid`; with `return_hidden` also `student_hidden`,
     `teacher_hidden` (`[N, H]`), `labels` `[N]`, `depth_index` `[N]` (k-1) and `row_index` `[N, 3]`
     (batch row, anchor p, offset k) of the `N` loss rows.
     """
@@ -204,12 +207,15 @@ def distill_step(
         chunk_size=chunk_size,
         depth_index=depth,
         num_depths=bs - 1,
+        skip_nonfinite_teacher=skip_nonfinite_teacher,
     )
     result = {
         "loss": loss,
         "agree_correct": stats["agree_correct"],
         "agree_total": stats["agree_total"],
         "num_blocks": int(bb.valid.sum()),
+        "num_rows": int(stats["num_rows"]),
+        "teacher_nonfinite": stats["teacher_nonfinite"],
         "anchors": bb.anchors,
         "valid": bb.valid,
     }
