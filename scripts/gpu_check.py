@@ -42,6 +42,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -389,12 +390,43 @@ def step_timing(ctx: Context, rec: Recorder) -> str:
                 except Exception as exc:
                     row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
             rec.save()
+    if "triton" in impls and ctx.device == "cuda" and not ctx.quick:
+        rec.details["triton_sweep"] = _triton_sweep(impls["triton"], rec)
     errors = [key for row in rows for key in row if key.endswith("_error")]
     timed = sorted({key[:-3] for row in rows for key in row if key.endswith("_ms")})
     summary = f"{len(rows)} shapes x dtypes; timed {', '.join(timed) or 'nothing'}"
     if errors:
         raise StepFailed(f"{summary}; {len(errors)} timing call(s) raised")
     return summary
+
+
+def _triton_sweep(impl: Callable[..., Any], rec: Recorder) -> list[dict[str, Any]]:
+    """Time a few tile / warp / split settings of the Triton kernel on two decode shapes (fp16).
+
+    Why: GPU time is scarce and the kernel's defaults were chosen without a GPU; one loan should also
+    say which settings to make the defaults. Errors are recorded per setting and never fail the step.
+    """
+    settings = [
+        {},
+        {"num_splits": 1},
+        {"block_m": 64, "block_n": 128, "num_warps": 8},
+        {"block_m": 64, "block_n": 32, "num_stages": 3},
+        {"block_m": 128, "block_n": 64, "num_warps": 8},
+        {"block_m": 32, "block_n": 64},
+        {"num_warps": 8, "num_stages": 3},
+    ]
+    sweep: list[dict[str, Any]] = []
+    for si, shape in enumerate((TIMING_SHAPES[1], TIMING_SHAPES[2])):
+        args = (*_make_inputs(shape, "float16", "cuda", seed=300 + si), shape[-1] ** -0.5)
+        for kw in settings:
+            row: dict[str, Any] = {"shape": _shape_label(shape), "settings": kw or "defaults"}
+            sweep.append(row)
+            try:
+                row["ms"] = round(_time_call(partial(impl, *args, **kw), "cuda", 50), 4)
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            rec.save()
+    return sweep
 
 
 def _trt_torch_dtype(trt: Any, dt: Any) -> Any:
@@ -852,6 +884,13 @@ def print_tables(payload: dict[str, Any], out: Path) -> None:
                     else f"{'-' if f'{i}_error' not in row else 'error':>10}"
                 )
             print(f"{row['shape']:34} {row['dtype']:9} " + " ".join(cells))
+    sweep = payload["steps"].get("timing", {}).get("details", {}).get("triton_sweep") or []
+    for shape in dict.fromkeys(r["shape"] for r in sweep):
+        timed = [r for r in sweep if r["shape"] == shape and "ms" in r]
+        if timed:
+            best = min(timed, key=lambda r: r["ms"])
+            default = next((r["ms"] for r in timed if r["settings"] == "defaults"), None)
+            print(f"triton sweep {shape}: best {best['settings']} {best['ms']} ms (defaults {default} ms)")
     print(f"\nstep               status   seconds  summary / reason   (full results: {out})")
     for name, rec in payload["steps"].items():
         text = rec.get("summary") or rec.get("reason") or ""

@@ -4,7 +4,7 @@ Why a Triton kernel next to the CUDA plugin: it is the quickest way to run the e
 from Python (benchmarks, the torch backend), and under `TRITON_INTERPRET=1` the very same kernel source
 runs on CPU tensors, so its indexing and masking are tested on machines without a GPU.
 
-Design (one program = one tile of BLOCK_M query rows of one (batch row, KV head)):
+Design (one program = one tile of BLOCK_M query rows of one (batch row, KV head), one KV split):
 
 * GQA packing: the `group = Hq / Hkv` query heads that share a KV head are stacked along the row axis
   (row r -> query head `hkv * group + r // N`, node `r % N`), so each K/V tile is loaded once per group
@@ -17,6 +17,9 @@ Design (one program = one tile of BLOCK_M query rows of one (batch row, KV head)
   that is every tile above the diagonal).
 * A row that sees nothing (P = 0 and an empty mask row; never the case for a tree, whose rows see
   themselves) returns zeros, as the reference does.
+* Flash-decoding KV splits: when a call has fewer programs than about two per SM (few tree rows, long
+  prefix), the prefix is cut into splits run by separate programs (split 0 also takes the tree keys);
+  each writes its unnormalised (max, sum, accumulator) and `_combine_kernel` merges them.
 * fp32 inputs use `input_precision="ieee"` by default (no TF32), so fp32 results match the reference to
   ~1e-6; fp16/bf16 inputs use tensor cores with fp32 accumulation (probabilities are cast to the value
   dtype before the P @ V product, the usual flash-attention trade-off).
