@@ -514,12 +514,12 @@ def _run_engine(trt: Any, path: Path, vocab_size: int) -> dict[str, Any]:
 
 
 def _find_head(ctx: Context) -> Path:
-    """`--head`, else the quickstart head if present, else a seeded random head fitted to the target."""
+    """`--head`, else the shipped toy head, else the quickstart run's head, else a seeded random head."""
     if ctx.args.head:
         return Path(ctx.args.head)
-    quick = REPO / "runs" / "quickstart" / "head" / "best"
-    if (quick / "config.json").exists():
-        return quick
+    for candidate in (REPO / "data_gen/toy/assets/small_head", REPO / "runs/quickstart/head/best"):
+        if (candidate / "config.json").exists():
+            return candidate
     from transformers import AutoTokenizer
 
     from jetflow_pl.generate_cli import load_head_or_untrained
@@ -687,7 +687,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", nargs="+", choices=STEP_NAMES, default=None, help="run only these steps")
     p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="wall-clock budget for all steps")
     p.add_argument("--target", default=str(REPO / "data_gen/toy/assets/small"), help="target for the engines")
-    p.add_argument("--head", default=None, help="draft head for the engines (default: quickstart or random)")
+    p.add_argument("--head", default=None, help="draft head for the engines (default: the shipped toy head)")
     p.add_argument("--export-arg", action="append", default=[], help="extra argument for jetflow-export")
     p.add_argument(
         "--plugin-lib", default=None, help="prebuilt TreeAttention plugin .so (default: CMake-build it)"
