@@ -4,6 +4,10 @@
 
 Every number comes from one run on one machine with one backend (torch). Without `--head` the head is
 untrained (random init): tau then shows the loop's floor, not the method's ceiling.
+
+The measuring pieces are plain functions (`load_target`, `domain_prompts`, `run_prompts`,
+`tokens_per_s`, `spec_summary`, `accept_histogram`) so that `bench/run_all.py` computes its numbers with
+the same code and the same metric definitions (DESIGN.md section 4) as this script.
 """
 
 from __future__ import annotations
@@ -14,16 +18,75 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from data_gen.toy.splits import DOMAINS, heldout_prompts
-from data_gen.toy.tokenizer import prompt_ids
-from jetflow_pl.decoding import ARGenerator, SpeculativeGenerator
-from jetflow_pl.decoding.torch_backend import TorchBackend
-from jetflow_pl.generate_cli import load_head_or_untrained
-from jetflow_pl.target import TargetModel
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `python bench/decode.py` from anywhere
+    sys.path.insert(0, str(REPO))
+
+from data_gen.toy.splits import DOMAINS, heldout_prompts  # noqa: E402
+from data_gen.toy.tokenizer import prompt_ids  # noqa: E402
+from jetflow_pl.decoding import ARGenerator, GenerationResult, SpeculativeGenerator  # noqa: E402
+from jetflow_pl.decoding.torch_backend import TorchBackend  # noqa: E402
+from jetflow_pl.generate_cli import load_head_or_untrained  # noqa: E402
+from jetflow_pl.target import TargetModel  # noqa: E402
+
+
+def load_target(target_dir: Path):
+    """(tokenizer, TargetModel) of a local HF target folder; nothing is downloaded."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+    return tokenizer, TargetModel.from_pretrained(target_dir)
+
+
+def domain_prompts(tokenizer, domain: str, n: int) -> list[list[int]]:
+    """Chat-formatted token ids of the first `n` held-out prompts of a toy domain (deterministic)."""
+    return [prompt_ids(tokenizer, r["prompt"]) for r in heldout_prompts(domain, n)]
+
+
+def run_prompts(gen: SpeculativeGenerator, prompts: Sequence[list[int]], max_new_tokens: int):
+    """Greedy-decode every prompt with `gen` (one `GenerationResult` per prompt, in order)."""
+    return [gen.generate(ids, max_new_tokens) for ids in prompts]
+
+
+def tokens_per_s(runs: Sequence[GenerationResult]) -> float:
+    """Decode tokens/s over a set of runs: all decode-round tokens / all decode seconds.
+
+    The prefill and the token it yields are excluded (DESIGN.md section 4), and the set is pooled rather
+    than averaged per prompt so that short (early-EOS) prompts do not dominate."""
+    tokens = sum(max(len(r.tokens) - 1, 0) for r in runs)
+    seconds = sum(r.decode_seconds for r in runs)
+    return tokens / seconds if seconds else 0.0
+
+
+def mean_tau(runs: Sequence[GenerationResult]) -> float:
+    """Mean over prompts of each prompt's tau (prompts that ran no round are left out)."""
+    taus = [r.tau for r in runs if r.num_rounds]
+    return statistics.fmean(taus) if taus else 0.0
+
+
+def accept_histogram(runs: Sequence[GenerationResult]) -> dict[str, int]:
+    """How many rounds committed k tokens, pooled over prompts: per-depth acceptance comes from it."""
+    counts: dict[int, int] = {}
+    for r in runs:
+        for k in r.accept_lengths:
+            counts[k] = counts.get(k, 0) + 1
+    return {str(k): counts[k] for k in sorted(counts)}
+
+
+def spec_summary(runs: Sequence[GenerationResult], ar_runs: Sequence[GenerationResult]) -> dict:
+    """tau, tokens/s, speedup over the AR runs and the lossless check (token mismatches vs AR)."""
+    tps, ar_tps = tokens_per_s(runs), tokens_per_s(ar_runs)
+    return {
+        "tau": mean_tau(runs),
+        "decode_tokens_per_s": tps,
+        "speedup_vs_ar": tps / ar_tps if ar_tps else 0.0,
+        "mismatches_vs_ar": sum(r.tokens != a.tokens for r, a in zip(runs, ar_runs, strict=True)),
+    }
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -41,10 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.target, local_files_only=True)
-    target = TargetModel.from_pretrained(args.target)
+    tokenizer, target = load_target(args.target)
     head = load_head_or_untrained(args.head, target, tokenizer)
     eos = tokenizer.eos_token_id
     ar = ARGenerator(TorchBackend(target), eos)
@@ -64,42 +124,35 @@ def main(argv: list[str] | None = None) -> dict:
         "domains": {},
     }
     for domain in args.domains:
-        prompts = [prompt_ids(tokenizer, r["prompt"]) for r in heldout_prompts(domain, args.n_prompts)]
-        ar_runs = [ar.generate(ids, args.max_new_tokens) for ids in prompts]
-        ar_tps = _tokens_per_s(ar_runs)
+        prompts = domain_prompts(tokenizer, domain, args.n_prompts)
+        ar_runs = run_prompts(ar, prompts, args.max_new_tokens)
+        ar_tps = tokens_per_s(ar_runs)
         row = {"ar": {"decode_tokens_per_s": ar_tps}, "speculative": {}}
         for budget in args.budgets:
             gen = SpeculativeGenerator(
                 spec_backend, budget, args.width, eos_token_id=eos, refine_factor=args.refine_factor
             )
-            runs = [gen.generate(ids, args.max_new_tokens) for ids in prompts]
-            mismatches = sum(r.tokens != a.tokens for r, a in zip(runs, ar_runs, strict=True))
-            tps = _tokens_per_s(runs)
-            row["speculative"][str(budget)] = {
-                "tau": statistics.fmean(r.tau for r in runs if r.num_rounds),
-                "decode_tokens_per_s": tps,
-                "speedup_vs_ar": tps / ar_tps if ar_tps else 0.0,
-                "mismatches_vs_ar": mismatches,
-            }
+            stats = spec_summary(run_prompts(gen, prompts, args.max_new_tokens), ar_runs)
+            row["speculative"][str(budget)] = stats
             print(
-                f"{domain:6s} budget {budget:4d}: tau {row['speculative'][str(budget)]['tau']:.2f} "
-                f"{tps:8.1f} tok/s (AR {ar_tps:.1f}) mismatches {mismatches}",
+                f"{domain:6s} budget {budget:4d}: tau {stats['tau']:.2f} "
+                f"{stats['decode_tokens_per_s']:8.1f} tok/s (AR {ar_tps:.1f}) "
+                f"mismatches {stats['mismatches_vs_ar']}",
                 flush=True,
             )
         results["domains"][domain] = row
     results["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(results, indent=2))
-    tmp.replace(args.out)
+    write_json(args.out, results)
     print(f"wrote {args.out}")
     return results
 
 
-def _tokens_per_s(runs) -> float:
-    tokens = sum(max(len(r.tokens) - 1, 0) for r in runs)
-    seconds = sum(r.decode_seconds for r in runs)
-    return tokens / seconds if seconds else 0.0
+def write_json(path: Path, data: dict) -> None:
+    """Write `data` atomically (a crash mid-write never leaves a truncated results file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)
 
 
 if __name__ == "__main__":
