@@ -19,7 +19,9 @@ from typing import Literal
 import lightning as L
 import torch
 
+from jetflow_pl.checkpoints import load_draft_head
 from jetflow_pl.decoding import SamplingConfig, SpeculativeGenerator, processed_probs
+from jetflow_pl.errors import UserInputError
 from jetflow_pl.kv_cache import new_cache, select_batch
 from jetflow_pl.target import TargetModel
 
@@ -158,13 +160,13 @@ class RegenerationModule(L.LightningModule):
             raise ValueError("no stop token: the tokenizer has no EOS and no stop_token_ids were given")
         self.head = None
         if head_path is not None:
-            from jetflow_pl.head import DraftHead
-
-            if not Path(head_path).is_dir():
-                raise FileNotFoundError(f"draft head path does not exist: {head_path}")
-            self.head = DraftHead.from_pretrained(head_path).to(self.target.dtype).eval()
+            # safetensors only, checked first: a corrupt head fails naming its file, before generating
+            self.head = load_draft_head(head_path).to(self.target.dtype).eval()
             self.head.requires_grad_(False)
-            self.head.check_compatible(self.target.config)
+            try:
+                self.head.check_compatible(self.target.config)
+            except ValueError as err:
+                raise UserInputError(f"head_path {head_path}: {err}") from err
         self.target_passes = 0
 
     def _stop_ids(self, extra: list[int] | None) -> list[int]:

@@ -12,6 +12,7 @@ folder holding another run's data (or anything else) is refused before a byte is
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -61,6 +62,18 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(path.parent)
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """True for "no space left" and "quota exceeded": the errors a rerun after freeing space fixes."""
+    return isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def write_shard_file(rows: list[dict], path: Path) -> None:
+    """Write `rows` as one parquet file at `path` and fsync it (the step a full disk breaks)."""
+    pq.write_table(rows_to_table(rows), path)
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
 
 
 def shard_ids(path: Path) -> list[str]:
@@ -253,15 +266,35 @@ class RegenerationWriter(BasePredictionWriter):
         name = f"shard-r{self._rank:05d}-{self._attempt}-{self._seq:06d}.parquet"
         final = self.out / "shards" / name
         tmp = final.with_name(f".tmp-{name}")
-        pq.write_table(rows_to_table(rows), tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        try:
+            write_shard_file(rows, tmp)
+        except OSError as err:
+            # the half-written temp file is never renamed, so no finished shard is touched; remove it
+            # (freeing the space it took) and say what is safe and how to go on
+            tmp.unlink(missing_ok=True)
+            if is_disk_full(err):
+                done = len(list_shards(self.out))
+                raise OutputFolderError(
+                    f"disk full while writing shard {name} in {self.out / 'shards'} ({err.strerror}): "
+                    f"the {done} shard(s) written before it are intact and its {len(rows)} rows were not "
+                    "written; free space and rerun the same command to resume"
+                ) from err
+            raise
         os.replace(tmp, final)
         _fsync_dir(final.parent)
-        with open(self.out / "manifest" / f"r{self._rank:05d}.jsonl", "a") as f:
-            f.write(json.dumps({"shard": name, "ids": [r["id"] for r in rows]}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(self.out / "manifest" / f"r{self._rank:05d}.jsonl", "a") as f:
+                f.write(json.dumps({"shard": name, "ids": [r["id"] for r in rows]}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as err:
+            if not is_disk_full(err):
+                raise
+            # the shard itself is complete; manifests are rebuilt from the shards on the next start
+            raise OutputFolderError(
+                f"disk full while updating the manifest after shard {name} ({err.strerror}): every shard "
+                f"in {self.out / 'shards'} is intact; free space and rerun the same command to resume"
+            ) from err
         self._seq += 1
         self.counts["written"] += len(rows)
         del self._buffer[: len(rows)]
@@ -287,7 +320,16 @@ class RegenerationWriter(BasePredictionWriter):
         dm = trainer.datamodule
         stats = getattr(dm, "stats", None)
         seconds = time.perf_counter() - self._t0
-        rows = merge_shards(self.out) if self.merge else None
+        try:
+            rows = merge_shards(self.out) if self.merge else None
+        except OSError as err:
+            if not is_disk_full(err):
+                raise
+            raise OutputFolderError(
+                f"disk full while merging {self.out / 'dataset'} ({err.strerror}): every shard in "
+                f"{self.out / 'shards'} is intact; free space and rerun the same command (nothing is "
+                "regenerated, only the merge runs again)"
+            ) from err
         summary = {
             "written": counts["written"],
             "skipped": (stats.already_done + stats.overlong_skipped) if stats else 0,
