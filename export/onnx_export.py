@@ -279,11 +279,12 @@ def load_pair(head_dir: Path, target_dir: Path) -> tuple[DraftHead, TargetModel]
         head = DraftHead.from_pretrained(str(head_dir))
     except (OSError, ValueError) as err:
         raise UserInputError(f"cannot load the draft head from {head_dir}: {err}") from err
-    target = TargetModel.from_pretrained(target_dir, head.config.target_layer_ids)
+    target = TargetModel.from_pretrained(target_dir)
     try:
         head.check_compatible(target.config)
     except ValueError as err:
         raise UserInputError(str(err)) from err
+    target.set_taps(head.config.target_layer_ids)
     head.eval()
     return head, target
 

@@ -83,10 +83,12 @@ def unpack_mask(packed: Tensor, n: int) -> Tensor:
     words = packed.shape[-1] if packed.dim() >= 1 else 0
     if n < 0 or n > words * _WORD_BITS:
         raise ValueError(f"cannot unpack {n} columns from {words} word(s) of {_WORD_BITS} bits")
-    unsigned = packed.to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(_WORD_BITS, dtype=torch.int64, device=packed.device)
-    bits = torch.bitwise_right_shift(unsigned.unsqueeze(-1), shifts) & 1
-    return bits.reshape(*packed.shape[:-1], words * _WORD_BITS)[..., :n].to(torch.bool)
+    from jetflow_pl.ops.tree_attention import packed_mask_to_dense  # the one unpacker (export-friendly)
+
+    if packed.dtype == torch.int64:  # keep the low 32 bits, as two's-complement int32
+        low = packed & 0xFFFFFFFF
+        packed = torch.where(low >= 2**31, low - 2**32, low).to(torch.int32)
+    return packed_mask_to_dense(packed, n)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -239,3 +239,19 @@ def test_tree_never_leaves_the_context_window(tiny):
     res = SpeculativeGenerator(backend, budget=64, width=4).generate(prompt, 6)
     assert res.tokens == hf_greedy(hf, prompt, 6)
     assert seen and max(seen) <= limit - 1
+
+
+def test_reused_backend_gives_the_same_result_as_a_fresh_one(tiny):
+    """A backend reused across prompts must not carry the previous sequence's queued head context."""
+    target = tiny[0]
+    head = make_head(target, causal=True, seed=3)
+    first, second = random_prompts(2, seed=11)
+    reused = TorchBackend(target, head)
+    SpeculativeGenerator(reused, budget=16, width=2).generate(first, 12)  # leaves taps queued
+    got = SpeculativeGenerator(reused, budget=16, width=2).generate(second, 12)
+    want = SpeculativeGenerator(TorchBackend(target, head), budget=16, width=2).generate(second, 12)
+    assert got.tokens == want.tokens
+    assert got.accept_lengths == want.accept_lengths
+    # head context rows: the prompt plus every committed row except the last round's (still queued);
+    # a stale queue from the first prompt would add rows here
+    assert reused._head_cache.length == len(second) + sum(got.accept_lengths[:-1])

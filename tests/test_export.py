@@ -1,0 +1,324 @@
+"""Export stage: engine directories, the graph contract, ONNX Runtime parity with the torch backend.
+
+The two engine directories (plugin and portable variants of the shipped toy target + its trained head)
+are exported once per module; every test reads them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from data_gen.toy import SMALL_HEAD_DIR, SMALL_TARGET_DIR, heldout_prompts
+from data_gen.toy.tokenizer import prompt_ids
+from export.cli import main as export_main
+from export.contract import (
+    CONFIG_FILE,
+    DYNAMIC_AXES,
+    HEAD_GRAPH,
+    HEAD_INPUTS,
+    HEAD_OUTPUTS,
+    TARGET_GRAPH,
+    TARGET_INPUTS,
+    TARGET_OUTPUTS,
+    TREE_ATTENTION_DOMAIN,
+    TREE_ATTENTION_OP,
+)
+from export.engine_config import load_engine_config
+from export.onnx_export import ExportSettings, export_engine
+from jetflow_pl.decoding.generator import SpeculativeGenerator
+from jetflow_pl.decoding.ort_backend import OnnxRuntimeBackend
+from jetflow_pl.decoding.ort_session import make_session
+from jetflow_pl.decoding.torch_backend import TorchBackend
+from jetflow_pl.head import DraftHead
+from jetflow_pl.target import TargetModel
+from jetflow_pl.tree import DraftTree, build_tree
+
+pytestmark = pytest.mark.skipif(
+    not (SMALL_HEAD_DIR / "model.safetensors").is_file(), reason="shipped toy head missing"
+)
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("engines")
+    out = {}
+    for variant in ("plugin", "portable"):
+        out[variant] = export_engine(
+            ExportSettings(head=SMALL_HEAD_DIR, target=SMALL_TARGET_DIR, out=root / variant, variant=variant)
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[DraftHead, TargetModel]:
+    head = DraftHead.from_pretrained(str(SMALL_HEAD_DIR)).eval()
+    return head, TargetModel.from_pretrained(SMALL_TARGET_DIR, head.config.target_layer_ids)
+
+
+def _load(engine_dir: Path, file: str) -> onnx.ModelProto:
+    return onnx.load(str(engine_dir / file))
+
+
+def _dims(value_info) -> list:
+    return [d.dim_param or d.dim_value for d in value_info.type.tensor_type.shape.dim]
+
+
+# ---------------------------------------------------------------------------------------------------
+# graph contract
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("file,layers_key", [(TARGET_GRAPH, "target"), (HEAD_GRAPH, "head")])
+def test_plugin_graph_has_one_tree_attention_node_per_layer_with_plugin_attributes(engines, file, layers_key):
+    config = load_engine_config(engines["plugin"])
+    model = _load(engines["plugin"], file)
+    nodes = [n for n in model.graph.node if n.op_type == TREE_ATTENTION_OP]
+    assert len(nodes) == config[layers_key]["num_layers"]
+    for node in nodes:
+        assert node.domain == TREE_ATTENTION_DOMAIN
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs["plugin_version"] == b"1"
+        assert attrs["plugin_namespace"] == b""
+        assert attrs["num_heads"] == config[layers_key]["num_heads"]
+        assert attrs["num_kv_heads"] == config[layers_key]["num_kv_heads"]
+        assert attrs["head_size"] == config[layers_key]["head_dim"]
+        assert attrs["scale"] == pytest.approx(config[layers_key]["head_dim"] ** -0.5)
+        assert len(node.input) == 6 and len(node.output) == 1
+    assert any(o.domain == TREE_ATTENTION_DOMAIN for o in model.opset_import)
+
+
+@pytest.mark.parametrize("file", [TARGET_GRAPH, HEAD_GRAPH])
+def test_portable_graph_uses_only_standard_onnx_ops(engines, file):
+    model = _load(engines["portable"], file)
+    assert {n.domain for n in model.graph.node} <= {"", "ai.onnx"}
+    assert not any(n.op_type == TREE_ATTENTION_OP for n in model.graph.node)
+    onnx.checker.check_model(model, full_check=True)
+
+
+@pytest.mark.parametrize("variant", ["plugin", "portable"])
+def test_graph_inputs_outputs_and_dynamic_axes_follow_the_contract(engines, variant):
+    config = load_engine_config(engines[variant])
+    for role, file, inputs, outputs in (
+        ("target", TARGET_GRAPH, TARGET_INPUTS, TARGET_OUTPUTS),
+        ("head", HEAD_GRAPH, HEAD_INPUTS, HEAD_OUTPUTS),
+    ):
+        model = _load(engines[variant], file)
+        assert [i.name for i in model.graph.input] == list(inputs) == config["graphs"][role]["inputs"]
+        assert [o.name for o in model.graph.output] == list(outputs) == config["graphs"][role]["outputs"]
+        graph_inputs = {i.name: i for i in model.graph.input}
+        for name, axes in DYNAMIC_AXES[role].items():
+            dims = _dims(graph_inputs[name])
+            for axis in axes:
+                assert isinstance(dims[axis], str), f"{file}:{name} axis {axis} is static ({dims[axis]})"
+        # the batch axis is static 1 everywhere it appears first
+        assert _dims(graph_inputs["past_keys"])[1] == 1
+
+
+def test_packed_mask_input_is_int32_rows_by_words(engines):
+    model = _load(engines["plugin"], TARGET_GRAPH)
+    mask = next(i for i in model.graph.input if i.name == "tree_mask")
+    assert mask.type.tensor_type.elem_type == onnx.TensorProto.INT32
+    n_sym, w_sym = _dims(mask)
+    ids = next(i for i in model.graph.input if i.name == "input_ids")
+    assert _dims(ids)[1] == n_sym  # one mask row per tree node
+    assert w_sym != n_sym  # words are their own axis (ceil(N/32))
+
+
+def test_engine_config_describes_the_pair(engines, pair):
+    head, target = pair
+    config = json.loads((engines["plugin"] / CONFIG_FILE).read_text())
+    assert config["block_size"] == head.config.block_size
+    assert config["mask_token_id"] == head.config.mask_token_id
+    assert config["target_layer_ids"] == list(head.config.target_layer_ids)
+    assert config["vocab_size"] == target.vocab_size
+    assert config["target"]["num_layers"] == target.num_layers
+    assert (engines["plugin"] / "tokenizer" / "tokenizer.json").is_file()
+    tok = AutoTokenizer.from_pretrained(engines["plugin"] / "tokenizer")
+    assert len(tok) == len(AutoTokenizer.from_pretrained(SMALL_TARGET_DIR))
+
+
+# ---------------------------------------------------------------------------------------------------
+# numerics: a wide tree (N > 32, bit 31 set) through the verify graph vs the HF target
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["plugin", "portable"])
+def test_verify_graph_matches_hf_target_on_a_wide_tree_after_a_prefix(engines, pair, variant):
+    _, target = pair
+    backend = OnnxRuntimeBackend(engines[variant], intra_op_threads=1)
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 2000, (11,), generator=gen)
+    backend.prefill(prompt)
+    n = 70  # three mask words; node 31 and 63 sit on bit 31
+    parents = [-1] + [int(torch.randint(max(0, i - 40), i, (1,), generator=gen)) for i in range(1, n)]
+    tree = DraftTree.from_parents(torch.randint(3, 2000, (n,), generator=gen), torch.tensor(parents))
+    got = backend.verify(tree)
+
+    from jetflow_pl.kv_cache import new_cache
+
+    cache = new_cache(target.config)
+    target(prompt[None], cache=cache, logits_positions=None)
+    want = target(
+        tree.tokens[None],
+        position_ids=tree.position_ids(prompt.numel())[None],
+        attention_mask=tree.additive_mask(prompt.numel()),
+        cache=cache,
+    ).logits[0]
+    assert torch.allclose(got, want, atol=2e-4, rtol=1e-4)
+
+
+def test_onnxruntime_plugin_loader_leaves_the_file_untouched(engines):
+    path = engines["plugin"] / HEAD_GRAPH
+    before = path.read_bytes()
+    make_session(path, intra_op_threads=1)
+    assert path.read_bytes() == before
+    assert any(n.domain == TREE_ATTENTION_DOMAIN for n in onnx.load(str(path)).graph.node)
+
+
+# ---------------------------------------------------------------------------------------------------
+# token-exact parity of the decode loop: ONNX Runtime vs torch
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def parity_prompts() -> list[list[int]]:
+    tok = AutoTokenizer.from_pretrained(SMALL_TARGET_DIR)
+    return [prompt_ids(tok, r["prompt"]) for r in heldout_prompts("math", 20)]
+
+
+@pytest.fixture(scope="module")
+def torch_results(pair, parity_prompts) -> dict[int, list]:
+    head, target = pair
+    backend = TorchBackend(target, head)
+    out = {}
+    for budget in (16, 64):
+        gen = SpeculativeGenerator(backend, budget=budget, width=4, eos_token_id=1)
+        out[budget] = [gen.generate(p, 40) for p in parity_prompts]
+    return out
+
+
+@pytest.mark.parametrize("variant", ["plugin", "portable"])
+@pytest.mark.parametrize("budget", [16, 64])
+def test_onnxruntime_decoding_matches_torch_tokens_and_accept_lengths(
+    engines, parity_prompts, torch_results, variant, budget
+):
+    backend = OnnxRuntimeBackend(engines[variant], intra_op_threads=1)
+    gen = SpeculativeGenerator(backend, budget=budget, width=4, eos_token_id=1)
+    taus = []
+    for prompt, want in zip(parity_prompts, torch_results[budget], strict=True):
+        got = gen.generate(prompt, 40)
+        assert got.tokens == want.tokens
+        assert got.accept_lengths == want.accept_lengths
+        taus.append(got.tau)
+    # a trained head: speculation really happens (guards against a backend that drafts garbage)
+    assert sum(taus) / len(taus) > 2.0
+
+
+def test_topk_bounds_the_tree_width(engines):
+    backend = OnnxRuntimeBackend(engines["portable"], intra_op_threads=1)
+    with pytest.raises(ValueError, match="top-k"):
+        backend.check_width(backend.topk + 1)
+    backend.prefill(torch.tensor([5, 6, 7]))
+    dense = backend.draft(9)
+    assert dense.shape == (backend.block_size - 1, backend.config["vocab_size"])
+    assert bool((torch.isfinite(dense).sum(-1) == backend.topk).all())
+    tree = build_tree(dense, 9, 64, backend.topk)
+    assert tree.budget == 64
+
+
+# ---------------------------------------------------------------------------------------------------
+# bad input: one message, no engine directory (partial or not)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _run_export(tmp_path, capsys, **overrides) -> tuple[int, str, Path]:
+    out = overrides.pop("out", tmp_path / "engine")
+    args = {"--head": SMALL_HEAD_DIR, "--target": SMALL_TARGET_DIR, "--out": out, **overrides}
+    argv = [x for k, v in args.items() for x in ([k] if v is True else [k, str(v)])]
+    code = export_main(["--quiet", *argv])
+    return code, capsys.readouterr().err, out
+
+
+def _no_engine_left(out: Path) -> bool:
+    return not out.exists() and not list(out.parent.glob(f".{out.name}.partial-*"))
+
+
+def test_head_that_does_not_fit_the_target_is_refused(tmp_path, capsys, tiny_target_dir):
+    target = tmp_path / "tiny"
+    shutil.copytree(tiny_target_dir, target)
+    shutil.copy2(SMALL_TARGET_DIR / "tokenizer.json", target / "tokenizer.json")  # only the model misfits
+    code, err, out = _run_export(tmp_path, capsys, **{"--target": target})
+    assert code == 2
+    assert "error: draft head does not fit the target" in err and "target_hidden_size" in err
+    assert _no_engine_left(out)
+
+
+def test_unsupported_architecture_is_refused(tmp_path, capsys):
+    fake = tmp_path / "bert"
+    fake.mkdir()
+    (fake / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
+    code, err, out = _run_export(tmp_path, capsys, **{"--target": fake})
+    assert code == 2 and "unsupported target architecture 'bert'" in err
+    assert _no_engine_left(out)
+
+
+def test_existing_output_folder_needs_overwrite(tmp_path, capsys):
+    out = tmp_path / "engine"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    code, err, _ = _run_export(tmp_path, capsys, out=out)
+    assert code == 2 and "already exists" in err and "--overwrite" in err
+    assert (out / "keep.txt").read_text() == "mine"
+
+
+def test_missing_tokenizer_is_refused(tmp_path, capsys):
+    target = tmp_path / "target"
+    shutil.copytree(SMALL_TARGET_DIR, target)
+    (target / "tokenizer.json").unlink()
+    code, err, out = _run_export(tmp_path, capsys, **{"--target": target})
+    assert code == 2 and "tokenizer" in err
+    assert _no_engine_left(out)
+
+
+def test_a_failure_during_export_leaves_no_partial_engine_dir(tmp_path, monkeypatch):
+    import export.onnx_export as onnx_export
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("simulated crash after the first graph")
+
+    monkeypatch.setattr(onnx_export, "compare_with_torch", boom)
+    out = tmp_path / "engine"
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        export_engine(
+            ExportSettings(head=SMALL_HEAD_DIR, target=SMALL_TARGET_DIR, out=out, variant="portable")
+        )
+    assert _no_engine_left(out)
+
+
+def test_engine_config_errors_name_the_problem(tmp_path, engines):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_engine_config(tmp_path / "nope")
+    broken = tmp_path / "broken"
+    shutil.copytree(engines["portable"], broken)
+    (broken / HEAD_GRAPH).unlink()
+    with pytest.raises(FileNotFoundError, match="head graph"):
+        load_engine_config(broken)
+    (broken / CONFIG_FILE).write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_engine_config(broken)
+
+
+def test_numpy_inputs_of_every_dtype_named_in_the_contract_are_accepted(engines):
+    """The ORT session takes exactly the contract's dtypes (int64 ids/positions, int32 mask, float)."""
+    session = make_session(engines["portable"] / TARGET_GRAPH, intra_op_threads=1)
+    types = {i.name: i.type for i in session.get_inputs()}
+    expect = {"int64": "tensor(int64)", "int32": "tensor(int32)", "float": "tensor(float)"}
+    for name, (dtype, _) in TARGET_INPUTS.items():
+        assert types[name] == expect[dtype]
