@@ -105,6 +105,12 @@ class AcceptanceLengthCallback(Callback):
         self._last_step: int | None = None
         self.history: list[dict] = []
 
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Import the decoder now, so a broken install fails before training instead of at the first
+        measurement (hundreds of steps in, with nothing checkpointed yet)."""
+        import jetflow_pl.decoding  # noqa: F401
+        import jetflow_pl.decoding.torch_backend  # noqa: F401
+
     # ------------------------------------------------------------------ prompts
     def _load_prompts(self, pl_module: LightningModule) -> list[list[int]]:
         if self._prompts is not None:
