@@ -136,7 +136,18 @@ def _load_tokenizer(path: Path):
         raise UserInputError(f"cannot load a tokenizer from {path}: {type(err).__name__}: {err}") from err
 
 
+def _check_device(name: str) -> None:
+    """Refuse a device this machine lacks before minutes of model loading, not after."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise UserInputError(f"--device {name!r} is not a torch device ({err})") from err
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserInputError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
+
+
 def _run(args: argparse.Namespace) -> int:
+    _check_device(args.device)
     prompts = list(args.prompt)
     if args.prompts_file is not None:
         if not args.prompts_file.is_file():

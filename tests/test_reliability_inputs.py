@@ -84,6 +84,12 @@ def test_predict_config_with_unknown_key_names_it_without_traceback(tmp_path):
         ),
         ("predict", "configs/regenerate/toy.yaml", ("model", "dtype", "float8"), 'Parser key "dtype"'),
         ("predict", "configs/regenerate/toy.yaml", (None, "return_predictionz", False), "return_predictionz"),
+        (
+            "predict",
+            "configs/regenerate/toy.yaml",
+            ("callback", "shard_sise", 3),
+            "trainer.callbacks (data_gen.regenerate.writer.RegenerationWriter): Option 'shard_sise' is not accepted",
+        ),
     ],
 )
 def test_bad_config_keys_and_types_are_named_by_the_parser(tmp_path, capsys, subcommand, config, edit, named):
@@ -93,6 +99,8 @@ def test_bad_config_keys_and_types_are_named_by_the_parser(tmp_path, capsys, sub
         cfg[key] = value
     elif section == "trainer":
         cfg["trainer"][key] = value
+    elif section == "callback":
+        cfg["trainer"]["callbacks"][0]["init_args"][key] = value
     else:
         cfg[section]["init_args"][key] = value
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(cfg))
@@ -142,7 +150,10 @@ def test_generate_runtime_user_errors_are_one_line(tmp_path, capsys):
         (["--prompt", "", "--no-chat-template"], "prompt is empty"),
         (["--prompts-file", str(tmp_path / "none.txt")], "none.txt does not exist"),
         (["--prompt", "hi", "--head", str(tmp_path / "nohead")], "draft head path does not exist"),
+        (["--prompt", "hi", "--device", "gpu0"], "--device 'gpu0' is not a torch device"),
     ]
+    if not torch.cuda.is_available():
+        cases.append((["--prompt", "hi", "--device", "cuda"], "CUDA is not available on this machine"))
     for flags, named in cases:
         assert generate_main([*base, *flags]) == 2, flags
         err = capsys.readouterr().err
