@@ -232,6 +232,28 @@ def parse_onnx(
     return network, parser
 
 
+def allow_attention_decomposition(trt: ModuleType, network: Any) -> int:
+    """Mark every parsed ONNX `Attention` (opset 23, TensorRT's IAttention) decomposable; return how many.
+
+    TensorRT builds IAttention only where it has a fused kernel for the shapes and types (e.g. not fp32
+    with an arbitrary boolean mask: tensorrt-rtx 1.7 fails the whole build there) unless the layer may
+    fall back to MatMul/Softmax. The fused kernel is still chosen where one exists. A TensorRT without
+    IAttention (before 10.14) has nothing to mark.
+    """
+    kind = getattr(trt.LayerType, "ATTENTION_INPUT", None)
+    layer_class = getattr(trt, "IAttentionInputLayer", None)
+    if kind is None or layer_class is None:
+        return 0
+    count = 0
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        if layer.type == kind:
+            layer.__class__ = layer_class  # the bindings return the ILayer base class
+            layer.attention.decomposable = True
+            count += 1
+    return count
+
+
 def _has_flag(trt: ModuleType, name: str) -> bool:
     return hasattr(trt.BuilderFlag, name)
 
@@ -264,6 +286,7 @@ def build_serialized_engine(
     # a TensorRT that cannot build weakly typed networks (no FP16 flag at all) gets a strongly typed one
     strongly_typed = not _has_flag(trt, "FP16")
     network, _parser = parse_onnx(trt, builder, logger, onnx_path, strongly_typed)
+    allow_attention_decomposition(trt, network)
     config = builder.create_builder_config()
     if reduced is not None:
         config.set_flag(getattr(trt.BuilderFlag, reduced))
