@@ -102,17 +102,18 @@ def import_tensorrt() -> ModuleType:
     return tensorrt
 
 
-def require_tensorrt(plugin_lib: str | Path | None = None, variant: str = "plugin") -> Path | None:
+def require_tensorrt(plugin_lib: str | Path | None = None, variant: str | None = None) -> Path | None:
     """Fail fast, before the slow ONNX export, when `--engine` cannot work here; return the plugin lib.
 
     Order: an explicit plugin path that does not exist (a typo, whatever the machine), then TensorRT
-    itself, then the default plugin build for the plugin variant. `plugin_lib=None` with the portable
-    variant needs no plugin.
+    itself, then (when `variant` is given) the default plugin build for the plugin variant. With
+    `variant=None` only the first two are checked; `build_engines` resolves the default from the engine
+    directory's variant.
     """
     if plugin_lib is not None:
-        resolve_plugin_lib(plugin_lib, variant)
+        resolve_plugin_lib(plugin_lib, variant or "portable")
     import_tensorrt()
-    return resolve_plugin_lib(plugin_lib, variant)
+    return resolve_plugin_lib(plugin_lib, variant) if variant is not None else None
 
 
 @dataclass(frozen=True)
