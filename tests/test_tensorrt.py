@@ -217,6 +217,10 @@ class OrtStandInEngine:
         for name in self.outputs:
             assert outs[name].is_contiguous() and outs[name].dtype == self.types[name], name
             spans.append((name, outs[name]))
+        for name, t in spans:
+            # bound at the start of its own allocation (CUDA allocations are 256-byte aligned; a view
+            # into the middle of a buffer need not be, and TensorRT's kernels expect aligned tensors)
+            assert t.storage_offset() == 0, f"{name} is bound at an offset into its buffer"
         for i, (a, ta) in enumerate(spans):  # TensorRT would corrupt aliased bindings silently
             for b, tb in spans[i + 1 :]:
                 if ta.numel() and tb.numel():

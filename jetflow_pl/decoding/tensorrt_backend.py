@@ -154,7 +154,11 @@ def _load_plugin(trt: ModuleType, explicit: str | Path | None, recorded: str | N
 
 
 def _view(buffer: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """A dense tensor of `shape` over the start of a flat preallocated `buffer` (no copy, no allocation)."""
+    """A dense tensor of `shape` over the start of a flat preallocated `buffer` (no copy, no allocation).
+
+    Always the start: every bound address is then the start of a CUDA allocation (256-byte aligned),
+    which TensorRT's kernels expect; a view into the middle of a buffer would not be.
+    """
     numel = 1
     for s in shape:
         numel *= s
