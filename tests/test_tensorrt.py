@@ -95,6 +95,12 @@ def _nothing_written(out: Path) -> bool:
     return not out.exists() and not list(out.parent.glob(f".{out.name}.partial-*"))
 
 
+needs_export_cli = pytest.mark.skipif(
+    not HAS_ONNX, reason="jetflow-export imports the ONNX exporter first: needs the [export] extra"
+)
+
+
+@needs_export_cli
 @pytest.mark.skipif(HAS_TENSORRT, reason="TensorRT is importable here: the no-TensorRT error cannot occur")
 def test_engine_without_tensorrt_is_one_error_line_and_writes_nothing(tmp_path):
     proc, out = _export_cli(tmp_path, "--engine")
@@ -104,6 +110,7 @@ def test_engine_without_tensorrt_is_one_error_line_and_writes_nothing(tmp_path):
     assert _nothing_written(out)
 
 
+@needs_export_cli
 @pytest.mark.parametrize("variant", ["plugin", "portable"])
 def test_missing_plugin_library_is_one_error_line_and_writes_nothing(tmp_path, variant):
     if variant == "portable" and HAS_TENSORRT:
