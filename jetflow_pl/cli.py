@@ -18,31 +18,37 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from jetflow_pl.errors import NumericalError, UserInputError
 
-_CLASS_PROBLEM = re.compile(r"^(\s*)- Problem with given class_path '([^']+)':\s*$")
+_ITEM = re.compile(r"^(\s*)- (.*)$")
+_CLASS_PROBLEM = re.compile(r"^Problem with given class_path '([^']+)':\s*$")
 
 
 def concise_parser_error(message: str) -> str:
-    """jsonargparse's message for a bad `model:`/`data:` block, cut to the part that names the key.
+    """jsonargparse's message for a bad `model:`/`data:`/callback block, cut to the part naming the key.
 
     For a subclass-mode key it reports "does not validate against any of the Union subtypes", the
-    subtypes, the NoneType alternative and the whole given dict; the one useful line is the problem
-    with the given class_path. Keep that (`model (pkg.Class): Option 'x' is not accepted`) and drop the
-    rest; any other message is returned unchanged.
+    subtypes, the NoneType alternative and the whole given dict; the useful part is the one error item
+    that is not about NoneType. Keep that (`model (pkg.Class): Option 'x' is not accepted`, or
+    `model: Import path m.X does not correspond to a subclass of LightningModule`) and drop the rest;
+    any other message is returned unchanged.
     """
     lines = message.splitlines()
     head = re.match(r'Parser key "([^"]+)":', lines[0]) if lines else None
+    if head is None or "Does not validate against any of the Union subtypes" not in message:
+        return message
     for i, line in enumerate(lines):
-        m = _CLASS_PROBLEM.match(line)
-        if not m or head is None:
+        item = _ITEM.match(line)
+        if not item or "Expected a <class 'NoneType'>" in line:
             continue
-        indent = len(m.group(1))
+        indent = len(item.group(1))
         body = []
         for nxt in lines[i + 1 :]:
-            stripped = nxt.strip()
-            if not stripped or (len(nxt) - len(nxt.lstrip()) <= indent):
+            if not nxt.strip() or len(nxt) - len(nxt.lstrip()) <= indent:
                 break
-            body.append(stripped)
-        return f"{head.group(1)} ({m.group(2)}): {' '.join(body)}"
+            body.append(nxt.strip())
+        problem = _CLASS_PROBLEM.match(item.group(2))
+        if problem:
+            return f"{head.group(1)} ({problem.group(1)}): {' '.join(body)}"
+        return f"{head.group(1)}: {' '.join([item.group(2), *body])}"
     return message
 
 

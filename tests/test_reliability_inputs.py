@@ -87,6 +87,12 @@ def test_predict_config_with_unknown_key_names_it_without_traceback(tmp_path):
         (
             "predict",
             "configs/regenerate/toy.yaml",
+            ("model", "class_path", "json.JSONDecoder"),
+            "model: Import path json.JSONDecoder does not correspond to a subclass of LightningModule",
+        ),
+        (
+            "predict",
+            "configs/regenerate/toy.yaml",
             ("callback", "shard_sise", 3),
             "trainer.callbacks (data_gen.regenerate.writer.RegenerationWriter): Option 'shard_sise' is not accepted",
         ),
@@ -97,6 +103,8 @@ def test_bad_config_keys_and_types_are_named_by_the_parser(tmp_path, capsys, sub
     section, key, value = edit
     if section is None:
         cfg[key] = value
+    elif key == "class_path":
+        cfg[section] = {"class_path": value}
     elif section == "trainer":
         cfg["trainer"][key] = value
     elif section == "callback":
