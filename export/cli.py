@@ -37,6 +37,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     parser.add_argument("--engine", action="store_true", help="also build TensorRT engines (needs TensorRT)")
     parser.add_argument("--plugin-lib", type=Path, default=None, help="TreeAttention plugin .so for --engine")
+    parser.add_argument(
+        "--precision", choices=["fp16", "bf16", "fp32"], default="fp16", help="--engine precision"
+    )
+    parser.add_argument(
+        "--max-tree", type=int, default=256, help="--engine profile: most tree nodes per verify"
+    )
+    parser.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="--engine profile: most cached rows (default: max positions)",
+    )
     parser.add_argument("-q", "--quiet", action="store_true", help="only print errors")
     return parser
 
@@ -44,28 +56,41 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
-    from export.onnx_export import ExportSettings, export_engine
-
-    settings = ExportSettings(
-        head=args.head,
-        target=args.target,
-        out=args.out,
-        variant=args.variant,
-        opset=args.opset,
-        topk=args.topk,
-        overwrite=args.overwrite,
-    )
     try:
+        plugin = None
         if args.engine:
-            # fail before the (slow) ONNX export when TensorRT cannot run here
+            # fail before the (slow) ONNX export, and before importing the export stack, when TensorRT
+            # cannot run here or the plugin library is missing
             from export.tensorrt_build import require_tensorrt
 
-            require_tensorrt(args.plugin_lib if args.variant == "plugin" else None)
+            plugin = require_tensorrt(args.plugin_lib, variant=args.variant)
+        from export.onnx_export import ExportSettings, export_engine
+
+        settings = ExportSettings(
+            head=args.head,
+            target=args.target,
+            out=args.out,
+            variant=args.variant,
+            opset=args.opset,
+            topk=args.topk,
+            overwrite=args.overwrite,
+        )
         out = export_engine(settings)
         if args.engine:
-            from export.tensorrt_build import build_engines
+            from export.tensorrt_build import EngineBuildError, build_engines
 
-            build_engines(out, plugin_lib=args.plugin_lib)
+            try:
+                build_engines(
+                    out,
+                    plugin_lib=plugin,
+                    precision=args.precision,
+                    max_tree=args.max_tree,
+                    max_context=args.max_context,
+                )
+            except EngineBuildError as err:
+                raise UserInputError(
+                    f"TensorRT engine build failed (the ONNX graphs in {out} are kept): {err}"
+                ) from err
     except UserInputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -50,7 +50,7 @@ TOKENIZER_FILES = (
     "special_tokens_map.json",
     "chat_template.jinja",
 )
-MIN_OPSET = 18  # BitwiseAnd (packed-mask unpacking in the portable graphs)
+MIN_OPSET = 18  # the torch.onnx dynamo exporter's lowest supported opset
 
 
 @dataclass
@@ -78,7 +78,7 @@ def validate_settings(s: ExportSettings) -> None:
     if s.variant not in VARIANTS:
         raise UserInputError(f"--variant must be one of {', '.join(VARIANTS)}, got {s.variant!r}")
     if s.opset < MIN_OPSET:
-        raise UserInputError(f"--opset must be >= {MIN_OPSET} (BitwiseAnd is needed), got {s.opset}")
+        raise UserInputError(f"--opset must be >= {MIN_OPSET}, got {s.opset}")
     if s.topk < 1:
         raise UserInputError(f"--topk must be >= 1, got {s.topk}")
     out = Path(s.out)

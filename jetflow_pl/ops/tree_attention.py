@@ -17,7 +17,7 @@ Shapes:
 
 The same contract is the ONNX node `jetflow::TreeAttention` (see `export/`), the TensorRT plugin
 `TreeAttention` (see `trt_plugins/`) and the Triton kernel. `tree_attention_reference` is written with
-export-friendly ops only (bitwise AND against constant bit weights, no shifts of unsigned types, no
+export-friendly ops only (integer division against constant powers of two, no bitwise ops, no
 data-dependent shapes), so the same function is the body of the `portable` ONNX graphs.
 """
 
@@ -30,25 +30,27 @@ from torch import Tensor
 _WORD_BITS = 32
 
 
-def _bit_weights(device: torch.device) -> Tensor:
-    """int32 `[32]`: `1 << b` in two's complement (bit 31 is `-2**31`)."""
-    w = [1 << b for b in range(_WORD_BITS - 1)] + [-(2**31)]
-    return torch.tensor(w, dtype=torch.int32, device=device)
+def _bit_values(device: torch.device) -> Tensor:
+    """int64 `[32]`: `2 ** b`."""
+    return torch.tensor([1 << b for b in range(_WORD_BITS)], dtype=torch.int64, device=device)
 
 
 def packed_mask_to_dense(packed_mask: Tensor, n: int | torch.SymInt | None = None) -> Tensor:
     """int32 `[..., W]` -> bool `[..., n]` (n defaults to the size of dim -2, i.e. a square tree mask).
 
-    Written with `bitwise_and` against constant weights so it exports to ONNX `BitwiseAnd` (opset 18)
-    and traces with symbolic sizes.
+    Plain integer arithmetic (bit b of the unsigned word u is `u // 2**b - 2 * (u // 2**(b+1))`), not
+    bitwise ops: it exports to ONNX Div/Sub/Cast that every runtime and TensorRT's parser accept
+    (TensorRT's ONNX parser only takes BitwiseAnd on bools), and traces with symbolic sizes.
     """
     if packed_mask.dtype != torch.int32:
         raise ValueError(f"packed_mask must be int32, got {packed_mask.dtype}")
     if n is None:
         n = packed_mask.shape[-2]
-    bits = torch.bitwise_and(packed_mask.unsqueeze(-1), _bit_weights(packed_mask.device)) != 0
-    bits = bits.flatten(-2)
-    return bits[..., :n]
+    words = packed_mask.to(torch.int64)
+    words = torch.where(words < 0, words + 2**32, words).unsqueeze(-1)  # unsigned value of each word
+    power = _bit_values(packed_mask.device)
+    bits = torch.floor_divide(words, power) - 2 * torch.floor_divide(words, 2 * power)
+    return (bits != 0).flatten(-2)[..., :n]
 
 
 def _check_shapes(query: Tensor, past_key: Tensor, past_value: Tensor, key: Tensor, value: Tensor) -> None:
