@@ -108,3 +108,13 @@ def tree_attention(
 @tree_attention.register_fake
 def _tree_attention_fake(query, past_key, past_value, key, value, packed_mask, scale):  # noqa: ARG001
     return torch.empty_like(query)
+
+
+@tree_attention.register_kernel("cuda")
+def _tree_attention_cuda(query, past_key, past_value, key, value, packed_mask, scale):
+    """On CUDA tensors the op runs the Triton kernel (same contract), or the reference without Triton."""
+    from jetflow_pl.ops.triton_tree_attention import is_triton_available, tree_attention_triton
+
+    if is_triton_available():
+        return tree_attention_triton(query, past_key, past_value, key, value, packed_mask, scale)
+    return tree_attention_reference(query, past_key, past_value, key, value, packed_mask, scale)
