@@ -197,6 +197,29 @@ def test_disk_full_during_a_shard_write_keeps_earlier_shards_and_resumes(
     assert json.loads((out / "summary.json").read_text())["skipped_already_done"] == 4
 
 
+def test_disk_full_during_the_final_merge_keeps_every_shard_and_a_rerun_only_merges(
+    tmp_path, regen_target, regen_reference, monkeypatch, capsys
+):
+    out = tmp_path / "out"
+    config = regen_config(tmp_path, out, regen_target)
+    real = writer_mod.merge_shards
+
+    def full_disk(path: Path) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path / "dataset"))
+
+    monkeypatch.setattr(writer_mod, "merge_shards", full_disk)
+    with pytest.raises(SystemExit) as info:
+        cli_main(["predict", "--config", str(config)])
+    assert info.value.code == 2
+    (line,) = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert f"disk full while merging {out / 'dataset'}" in line and "every shard in" in line
+    assert sum(len(shard_ids(p)) for p in list_shards(out)) == 12
+    monkeypatch.setattr(writer_mod, "merge_shards", real)
+    cli_main(["predict", "--config", str(config)])
+    assert dataset_rows(out) == regen_reference
+    assert json.loads((out / "summary.json").read_text())["written"] == 0  # nothing regenerated
+
+
 # ---------------------------------------------------------------------------------------------- training
 TRAIN_STEPS = 10
 

@@ -92,6 +92,20 @@ def test_prompt_at_the_context_limit(tiny, gen):
         gen.generate(long_prompt, 3)
 
 
+def test_prompt_ids_outside_the_vocabulary_or_batched_are_refused(tiny, gen):
+    """Out-of-range ids would be a device-side assert on CUDA; a [2, T] batch would be glued into one."""
+    with pytest.raises(
+        UserInputError,
+        match=rf"prompt token id {TINY_VOCAB} is outside the target's vocabulary \[0, {TINY_VOCAB - 1}\]",
+    ):
+        gen.generate([5, TINY_VOCAB], 2)
+    with pytest.raises(UserInputError, match="prompt token id -1 is outside"):
+        gen.generate([-1, 5], 2)
+    with pytest.raises(UserInputError, match=r"one sequence \(\[T\] or \[1, T\]\), got shape \[2, 3\]"):
+        gen.generate(torch.tensor([[5, 6, 7], [8, 9, 10]]), 2)
+    assert gen.generate(torch.tensor([PROMPT]), 3).tokens == gen.generate(PROMPT, 3).tokens  # [1, T] is fine
+
+
 # ------------------------------------------------------------------------------------------ lengths
 def test_max_new_tokens_zero_and_one_greedy_and_sampled(tiny, gen):
     _, hf = tiny

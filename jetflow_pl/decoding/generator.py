@@ -39,6 +39,15 @@ def max_budget(backend: DecodeBackend) -> int:
     return int(nodes) - 1 if nodes is not None else DEFAULT_MAX_BUDGET
 
 
+def _vocab_size(backend: DecodeBackend) -> int | None:
+    """The target vocabulary size where the backend exposes it (`vocab_size`, or its `target`'s)."""
+    for obj in (backend, getattr(backend, "target", None)):
+        size = getattr(obj, "vocab_size", None)
+        if isinstance(size, int):
+            return size
+    return None
+
+
 def _check_finite(x: torch.Tensor, what: str, where: str, advice: str) -> None:
     """Raise NumericalError when `x` holds NaN/+inf (one reduction; -inf log-probs are legitimate)."""
     if bool(torch.isnan(x).any() | torch.isposinf(x).any()):
@@ -162,9 +171,24 @@ class SpeculativeGenerator:
         sampling = sampling or SamplingConfig()
         if max_new_tokens < 0:
             raise UserInputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1)
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long)
+        if prompt.dim() > 1 and prompt.shape[0] != 1:
+            # flattening [2, T] would silently decode two prompts glued together
+            raise UserInputError(
+                f"prompt_ids must be one sequence ([T] or [1, T]), got shape {list(prompt.shape)}; "
+                "the decode loop runs one sequence at a time"
+            )
+        prompt = prompt.reshape(-1)
         if prompt.numel() == 0:
             raise UserInputError("prompt is empty: at least one token is needed to start decoding")
+        vocab = _vocab_size(self.backend)
+        lo, hi = int(prompt.min()), int(prompt.max())
+        if lo < 0 or (vocab is not None and hi >= vocab):
+            # caught here because an out-of-range id in the embedding lookup is a device-side assert on
+            # CUDA, which poisons the whole process instead of raising
+            bad = lo if lo < 0 else hi
+            bound = f"[0, {vocab - 1}]" if vocab is not None else ">= 0"
+            raise UserInputError(f"prompt token id {bad} is outside the target's vocabulary {bound}")
         limit = self.backend.max_positions
         if prompt.numel() + max_new_tokens > limit:
             raise UserInputError(
