@@ -34,8 +34,8 @@ from export.contract import (
     VARIANTS,
 )
 from export.engine_config import FORMAT, FORMAT_VERSION, write_engine_config
-from export.graphs import DraftHeadGraph, TargetVerifyGraph
 from export.tree_attention_onnx import translation_table
+from jetflow_pl.decoding.graphs import DraftHeadGraph, TargetVerifyGraph, pair_config
 from jetflow_pl.errors import UserInputError
 from jetflow_pl.head import DraftHead
 from jetflow_pl.target import TargetModel, _read_config, check_supported
@@ -231,9 +231,6 @@ def compare_with_torch(module, example, path: Path, output_names: list[str], ato
 
 
 def _engine_config(s: ExportSettings, head: DraftHead, target: TargetModel) -> dict[str, Any]:
-    cfg = target.config
-    attn = head.layers[0].self_attn
-    eos = cfg.eos_token_id
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -243,30 +240,7 @@ def _engine_config(s: ExportSettings, head: DraftHead, target: TargetModel) -> d
             "head": {"file": HEAD_GRAPH, "inputs": list(HEAD_INPUTS), "outputs": list(HEAD_OUTPUTS)},
             "target": {"file": TARGET_GRAPH, "inputs": list(TARGET_INPUTS), "outputs": list(TARGET_OUTPUTS)},
         },
-        "block_size": int(head.config.block_size),
-        "mask_token_id": int(head.config.mask_token_id),
-        "causal_head": bool(head.config.causal_head),
-        "topk": int(s.topk),
-        "vocab_size": int(target.vocab_size),
-        "max_positions": int(cfg.max_position_embeddings),
-        "eos_token_id": eos if isinstance(eos, list) else ([] if eos is None else [int(eos)]),
-        "target_layer_ids": list(head.config.target_layer_ids),
-        "target": {
-            "model_type": cfg.model_type,
-            "num_layers": target.num_layers,
-            "num_heads": int(cfg.num_attention_heads),
-            "num_kv_heads": int(cfg.num_key_value_heads),
-            "head_dim": int(target.layers[0].self_attn.head_dim),
-            "hidden_size": target.hidden_size,
-        },
-        "head": {
-            "num_layers": len(head.layers),
-            "num_heads": int(attn.num_heads),
-            "num_kv_heads": int(attn.num_kv_heads),
-            "head_dim": int(attn.head_dim),
-            "hidden_size": int(head.config.hidden_size),
-            "tap_features": int(head.config.num_taps * head.config.target_hidden_size),
-        },
+        **pair_config(head, target, s.topk),
         "tokenizer": TOKENIZER_DIR,
         "engines": {},
         "source": {"head": str(Path(s.head).resolve()), "target": str(Path(s.target).resolve())},

@@ -33,6 +33,7 @@ from export.contract import (
 from export.engine_config import load_engine_config
 from export.onnx_export import ExportSettings, export_engine
 from jetflow_pl.decoding.generator import SpeculativeGenerator
+from jetflow_pl.decoding.graph_backend import TorchGraphBackend
 from jetflow_pl.decoding.ort_backend import OnnxRuntimeBackend
 from jetflow_pl.decoding.ort_session import make_session
 from jetflow_pl.decoding.torch_backend import TorchBackend
@@ -219,6 +220,26 @@ def test_onnxruntime_decoding_matches_torch_tokens_and_accept_lengths(
         taus.append(got.tau)
     # a trained head: speculation really happens (guards against a backend that drafts garbage)
     assert sum(taus) / len(taus) > 2.0
+
+
+def test_torch_graph_backend_matches_the_torch_backend(pair, parity_prompts, torch_results):
+    """The decode graphs run eagerly (the op's reference on CPU) decode exactly like TorchBackend."""
+    head, target = pair
+    gen = SpeculativeGenerator(TorchGraphBackend(target, head), budget=64, width=4, eos_token_id=1)
+    for prompt, want in zip(parity_prompts[:10], torch_results[64][:10], strict=True):
+        got = gen.generate(prompt, 40)
+        assert (got.tokens, got.accept_lengths) == (want.tokens, want.accept_lengths)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the op's Triton kernel)")
+def test_torch_graph_backend_on_cuda_uses_the_triton_op_and_matches_cpu(parity_prompts, torch_results):
+    head = DraftHead.from_pretrained(str(SMALL_HEAD_DIR)).eval().cuda()
+    target = TargetModel.from_pretrained(SMALL_TARGET_DIR, head.config.target_layer_ids, device="cuda")
+    gen = SpeculativeGenerator(TorchGraphBackend(target, head), budget=64, width=4, eos_token_id=1)
+    for prompt, want in zip(parity_prompts[:10], torch_results[64][:10], strict=True):
+        got = gen.generate(prompt, 40)
+        assert got.tokens == want.tokens
 
 
 def test_topk_bounds_the_tree_width(engines):

@@ -1,4 +1,4 @@
-"""The two exportable graphs: `TargetVerifyGraph` and `DraftHeadGraph` (contract: `export/contract.py`).
+"""The two decode graphs: `TargetVerifyGraph` and `DraftHeadGraph` (contract: `export/contract.py`).
 
 Both are thin `nn.Module`s over the live models' own submodules (projections, norms, MLPs, rotary
 embeddings), with the KV caches as explicit tensors and attention as `jetflow::tree_attention`:
@@ -7,13 +7,14 @@ embeddings), with the KV caches as explicit tensors and attention as `jetflow::t
   `jetflow::TreeAttention` node per layer (a TensorRT plugin, or an onnxruntime-extensions Python op);
 * variant `portable`: attention is `tree_attention_reference`, which exports to standard ONNX ops.
 
-Batch is 1 (one sequence per decode loop). The modules are also runnable eagerly: the exporter compares
-them with the exported graphs, and the tests compare them with the torch decode backend.
+Batch is 1 (one sequence per decode loop). The exporter turns them into ONNX graphs; run eagerly they are
+`TorchGraphBackend`'s compute (on CUDA the op dispatches to the Triton kernel).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -163,3 +164,36 @@ class DraftHeadGraph(nn.Module):
         logprobs = torch.log_softmax(self.lm_head(head.norm(x)).float(), dim=-1)
         values, ids = torch.topk(logprobs, self.topk, dim=-1)
         return values, ids, torch.stack(presents_k), torch.stack(presents_v)
+
+
+def pair_config(head: DraftHead, target: TargetModel, topk: int) -> dict[str, Any]:
+    """What a graph runtime needs to know about a (head, target) pair: the model part of `config.json`."""
+    cfg = target.config
+    attn = head.layers[0].self_attn
+    eos = cfg.eos_token_id
+    return {
+        "block_size": int(head.config.block_size),
+        "mask_token_id": int(head.config.mask_token_id),
+        "causal_head": bool(head.config.causal_head),
+        "topk": int(topk),
+        "vocab_size": int(target.vocab_size),
+        "max_positions": int(cfg.max_position_embeddings),
+        "eos_token_id": eos if isinstance(eos, list) else ([] if eos is None else [int(eos)]),
+        "target_layer_ids": list(head.config.target_layer_ids),
+        "target": {
+            "model_type": cfg.model_type,
+            "num_layers": target.num_layers,
+            "num_heads": int(cfg.num_attention_heads),
+            "num_kv_heads": int(cfg.num_key_value_heads),
+            "head_dim": int(target.layers[0].self_attn.head_dim),
+            "hidden_size": target.hidden_size,
+        },
+        "head": {
+            "num_layers": len(head.layers),
+            "num_heads": int(attn.num_heads),
+            "num_kv_heads": int(attn.num_kv_heads),
+            "head_dim": int(attn.head_dim),
+            "hidden_size": int(head.config.hidden_size),
+            "tap_features": int(head.config.num_taps * head.config.target_hidden_size),
+        },
+    }
