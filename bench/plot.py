@@ -205,7 +205,7 @@ def readme_table(results: dict) -> str:
         "| toy math | "
         + " | ".join(f"tau @{b}" for b in bs)
         + " | best budget | tok/s | vs own AR | vs HF generate |",
-        "|---|" + "---:|" * (len(bs) + 5),
+        "|---|" + "---:|" * (len(bs) + 4),
     ]
     for head, rows in math["heads"].items():
         bb = best_budget(rows)

@@ -60,7 +60,8 @@ from jetflow_pl.tree import DraftTree, build_tree  # noqa: E402
 SCHEMA_VERSION = 1
 #: standard-library packages the toy code corpus skips entirely (never in any toy training set)
 OOD_CODE_PACKAGES = ("idlelib", "turtledemo", "lib2to3")
-VERIFY_NODES = (1, 17, 65, 257)
+#: tree sizes of the verify-cost timing: N = budget + 1 for every default budget, and N = 1 (AR)
+VERIFY_NODES = (1, 17, 33, 65, 129, 257)
 DEFAULT_BIDIR = REPO / "runs/quickstart_bidir/head/best"
 
 
@@ -157,19 +158,22 @@ def ood_code_prompts(tokenizer, n: int) -> tuple[list[list[int]], list[str]]:
     return [prompt_ids(tokenizer, r["prompt"]) for r in chosen], [r["id"] for r in chosen]
 
 
-def hf_runs(model, prompts: Sequence[list[int]], max_new: int, eos) -> tuple[list[list[int]], float]:
-    """HF greedy `generate()` on every prompt: (tokens per prompt, pooled decode tokens/s).
+def hf_one(model, ids: list[int], max_new: int, eos) -> tuple[list[int], int, float]:
+    """HF greedy `generate()` on one prompt: (tokens, decode tokens, decode seconds).
 
-    Per prompt the decode time is the full call minus a 1-token call (its prefill), the same rule as
+    The decode time is the full call minus a 1-token call (its prefill), the same rule as
     `jetflow generate --compare`, so both sides exclude the prefill."""
-    tokens, n_tok, seconds = [], 0, 0.0
-    for ids in prompts:
-        out, tps = _hf_decode_tokens_per_s(model, ids, max_new, eos)
-        tokens.append(out)
-        if tps > 0:
-            n_tok += len(out) - 1
-            seconds += (len(out) - 1) / tps
-    return tokens, (n_tok / seconds if seconds else 0.0)
+    out, tps = _hf_decode_tokens_per_s(model, ids, max_new, eos)
+    if tps <= 0:
+        return out, 0, 0.0
+    return out, len(out) - 1, (len(out) - 1) / tps
+
+
+def hf_runs(model, prompts: Sequence[list[int]], max_new: int, eos) -> tuple[list[list[int]], float]:
+    """`hf_one` on every prompt: (tokens per prompt, pooled decode tokens/s)."""
+    rows = [hf_one(model, ids, max_new, eos) for ids in prompts]
+    seconds = sum(s for _, _, s in rows)
+    return [t for t, _, _ in rows], (sum(n for _, n, _ in rows) / seconds if seconds else 0.0)
 
 
 # ----------------------------------------------------------------------------------------- the suite
@@ -210,20 +214,30 @@ class Suite:
         a = self.args
         raw: dict = {}  # raw[set][config] = list over repeats of (tokens/s, runs-or-tokens)
         self.ar_tokens = {}
+        configs = [(name, budget) for name in self.heads for budget in a.budgets]
         for rep in range(a.repeats):
             for set_name, prompts in prompt_sets.items():
                 slot = raw.setdefault(set_name, {})
                 _log(f"repeat {rep + 1}/{a.repeats}: {set_name} ({len(prompts)} prompts)")
-                ar_runs = dec.run_prompts(self.ar, prompts, a.max_new_tokens)
+                # prompt-major order: every configuration decodes prompt i within the same few seconds,
+                # so load changes on a shared machine hit the baselines and the heads alike
+                ar_runs, hf_rows, spec_runs = [], [], {c: [] for c in configs}
+                for ids in prompts:
+                    ar_runs.append(self.ar.generate(ids, a.max_new_tokens))
+                    if not a.skip_hf:
+                        hf_rows.append(hf_one(self.target.model, ids, a.max_new_tokens, self.eos))
+                    for name, budget in configs:
+                        spec_runs[(name, budget)].append(
+                            self.spec(name, budget).generate(ids, a.max_new_tokens)
+                        )
                 slot.setdefault("ar", []).append((dec.tokens_per_s(ar_runs), ar_runs))
                 self.ar_tokens[set_name] = [r.tokens for r in ar_runs]
-                if not a.skip_hf:
-                    hf_tok, hf_tps = hf_runs(self.target.model, prompts, a.max_new_tokens, self.eos)
-                    slot.setdefault("hf", []).append((hf_tps, hf_tok))
-                for name in self.heads:
-                    for budget in a.budgets:
-                        runs = dec.run_prompts(self.spec(name, budget), prompts, a.max_new_tokens)
-                        slot.setdefault((name, budget), []).append((dec.tokens_per_s(runs), runs))
+                if hf_rows:
+                    hf_s = sum(x for _, _, x in hf_rows)
+                    hf_tps = sum(n for _, n, _ in hf_rows) / hf_s if hf_s else 0.0
+                    slot.setdefault("hf", []).append((hf_tps, [t for t, _, _ in hf_rows]))
+                for c, runs in spec_runs.items():
+                    slot.setdefault(c, []).append((dec.tokens_per_s(runs), runs))
         return {name: self._aggregate(raw[name]) for name in prompt_sets}
 
     def _aggregate(self, slot: dict) -> dict:

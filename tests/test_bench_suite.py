@@ -72,8 +72,8 @@ def test_quick_suite_schema(quick_suite: tuple[dict, Path]) -> None:
     assert "idlelib" in ood["source"] and ood["prompt_ids"]
     _check_block(ood, [4, 16], heads, "code_ood")
     vc = r["verify_cost"]
-    assert sorted(int(n) for n in vc["ratio"]) == [1, 17, 65, 257]
-    for n in ("1", "17", "65", "257"):
+    assert {1, 17, 65, 257} <= {int(n) for n in vc["ratio"]}
+    for n in vc["ratio"]:
         _check_spread(vc["verify_ms"][n], f"verify {n}")
         _check_spread(vc["draft_ms"][n], f"draft {n}")
     assert vc["ratio"]["1"]["median"] == 1.0
