@@ -307,24 +307,91 @@ def throughput_md(results: dict) -> str:
 
 
 def _distill_summary(r: dict) -> str:
-    """The step-time numbers of `bench/distill.py step`, whatever their exact keys (its owner may change them)."""
-    parts = []
+    """The headline numbers of `bench/distill.py step` (its JSON layout, read defensively: the script has
+    another owner and may change; anything missing reads as 'see the JSON')."""
+    try:
+        st = r["step_time"]
+        b = st["batch"]
+        step = st["distill_step_s"]["median"]
+        tokens = b["rows"] * b["seq_len"]
+        text = (
+            f"one distillation step on {b['rows']} x {b['seq_len']} tokens ({b['valid_blocks']} blocks of "
+            f"{b['block_size']}) takes {step:.2f} s median = {tokens / step:.0f} training tokens/s, "
+            f"{st['distill_step_over_target_forward']:.1f}x the target forward alone "
+            f"({st['target_forward_s']['median']:.2f} s)"
+        )
+    except (KeyError, TypeError, ZeroDivisionError):
+        return "see the JSON"
+    try:
+        runs = r["loss_memory"]["runs"]
+        mem = ", ".join(
+            f"{x['impl']}{'' if x['chunk_size'] is None else ' ' + str(x['chunk_size'])}: "
+            f"{x['loss_step_peak_delta_mib']:.0f} MiB"
+            for x in runs
+        )
+        text += f"; loss-step peak memory at vocab {r['loss_memory']['vocab']}: {mem}"
+    except (KeyError, TypeError):
+        pass
+    return text + "."
 
-    def walk(x, prefix: str = "") -> None:
-        if isinstance(x, dict):
-            for k, v in x.items():
-                walk(v, f"{prefix}{k}.")
-        elif isinstance(x, (int, float)) and any(
-            w in prefix for w in ("per_s", "seconds", "ms", "ratio", "overhead")
-        ):
-            parts.append(f"{prefix[:-1]} = {x:.4g}")
 
-    walk({k: v for k, v in r.items() if k not in {"machine", "memory"}})
-    return "; ".join(parts[:12]) or "see the JSON"
+def ratio_interval(hist_a: dict[str, int], hist_b: dict[str, int], n: int = 2000) -> tuple[float, float]:
+    """Approximate 95% interval of pooled-tau(a) / pooled-tau(b), resampling rounds (seeded bootstrap).
+
+    Rounds of one prompt are not independent, so this understates the uncertainty somewhat; it is a
+    guide to whether a ratio is resolved by the prompt set at all, not a significance test."""
+    import random
+
+    rng = random.Random(0)
+    xa = [int(k) for k, v in hist_a.items() for _ in range(v)]
+    xb = [int(k) for k, v in hist_b.items() for _ in range(v)]
+    ratios = sorted(
+        (sum(rng.choices(xa, k=len(xa))) / len(xa)) / (sum(rng.choices(xb, k=len(xb))) / len(xb))
+        for _ in range(n)
+    )
+    return ratios[int(0.025 * n)], ratios[int(0.975 * n) - 1]
+
+
+def causal_vs_bidir_md(results: dict, domain: str = "math") -> str:
+    """tau(causal) / tau(bidirectional) per budget, and acceptance by depth at the largest budget."""
+    heads = results["decode"][domain]["heads"]
+    if "bidirectional" not in heads:
+        return f"causal vs bidirectional: no bidirectional head ({results.get('skipped', {}).get('bidirectional')})"
+    c, d = heads["causal"], heads["bidirectional"]
+    bs = _budgets(c)
+    lines = ["| toy " + domain + " | " + " | ".join(f"@{b}" for b in bs) + " |", "|---|" + "---:|" * len(bs)]
+    lines.append("| tau causal | " + " | ".join(f"{c[str(b)]['tau']:.2f}" for b in bs) + " |")
+    lines.append("| tau bidirectional | " + " | ".join(f"{d[str(b)]['tau']:.2f}" for b in bs) + " |")
+    lines.append("| ratio | " + " | ".join(f"{c[str(b)]['tau'] / d[str(b)]['tau']:.3f}" for b in bs) + " |")
+    top = str(bs[-1])
+    lo, hi = ratio_interval(c[top]["accept_histogram"], d[top]["accept_histogram"])
+    sc = acceptance_by_depth(c[top]["accept_histogram"])
+    sd = acceptance_by_depth(d[top]["accept_histogram"])
+    k = max(len(sc), len(sd))
+    sc, sd = sc + [0.0] * (k - len(sc)), sd + [0.0] * (k - len(sd))
+    lines += ["", f"Pooled-tau ratio at budget {top}: approximate 95% interval {lo:.2f}-{hi:.2f} "
+              f"(rounds resampled: {c[top]['rounds']} causal, {d[top]['rounds']} bidirectional).", "",
+              f"| P(round accepts >= k drafts), budget {top} | " + " | ".join(f"k={i}" for i in range(1, k + 1)) + " |",
+              "|---|" + "---:|" * k,
+              "| causal | " + " | ".join(f"{x:.2f}" for x in sc) + " |",
+              "| bidirectional | " + " | ".join(f"{x:.2f}" for x in sd) + " |"]  # fmt: skip
+    tc = results["heads"]["causal"].get("training")
+    tb = results["heads"]["bidirectional"].get("training")
+    if tc and tb:
+        n = min(len(tc["val_agree_by_depth"]), len(tb["val_agree_by_depth"]))
+        lines += ["", "| training validation (last eval) | " + " | ".join(f"d{i}" for i in range(1, n + 1))
+                  + " | val loss | sim. tau | real tau @64 |", "|---|" + "---:|" * (n + 3)]  # fmt: skip
+        for name, t in (("causal top-1 agreement", tc), ("bidirectional top-1 agreement", tb)):
+            cells = " | ".join(f"{x:.2f}" for x in t["val_agree_by_depth"][:n])
+            lines.append(
+                f"| {name} | {cells} | {t['val_loss']:.3f} | {t['val_sim_tau']:.2f} | {t['val_tau']:.2f} |"
+            )
+    return "\n".join(lines)
 
 
 def tables(results: dict) -> str:
-    md = ["## README table", "", readme_table(results), ""]
+    md = ["## README table", "", readme_table(results), "", "### causal vs bidirectional", "",
+          causal_vs_bidir_md(results), ""]  # fmt: skip
     for d in ("math", "code", "prose"):
         md += [f"### {d}", "", domain_table(results["decode"][d]), ""]
     if "heldout" in results:
