@@ -30,9 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--variant",
         choices=VARIANTS,
         default="plugin",
-        help="plugin: TreeAttention nodes (TensorRT plugin / onnxruntime-extensions); portable: standard ops",
+        help="plugin: TreeAttention nodes (TensorRT plugin / onnxruntime-extensions); portable: standard ops; "
+        "attention: opset-23 Attention nodes (plugin-free TensorRT IAttention path)",
     )
-    parser.add_argument("--opset", type=int, default=20, help="ONNX opset (>= 18; default 20)")
+    parser.add_argument(
+        "--opset", type=int, default=None, help="ONNX opset (default 20; 23 for --variant attention)"
+    )
     parser.add_argument("--topk", type=int, default=8, help="draft tokens kept per depth (max tree width)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     parser.add_argument("--engine", action="store_true", help="also build TensorRT engines (needs TensorRT)")

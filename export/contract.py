@@ -27,7 +27,9 @@ HEAD_GRAPH = "draft_head.onnx"
 TARGET_GRAPH = "target_verify.onnx"
 CONFIG_FILE = "config.json"
 TOKENIZER_DIR = "tokenizer"
-VARIANTS = ("plugin", "portable")
+VARIANTS = ("plugin", "portable", "attention")
+#: lowest ONNX opset per variant (opset-23 `Attention` for the `attention` variant)
+MIN_OPSET = {"plugin": 18, "portable": 18, "attention": 23}
 
 #: TreeAttention node: domain and fixed attributes (TensorRT's parser looks plugins up by op_type).
 TREE_ATTENTION_OP = "TreeAttention"

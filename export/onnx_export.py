@@ -27,6 +27,7 @@ from export.contract import (
     HEAD_GRAPH,
     HEAD_INPUTS,
     HEAD_OUTPUTS,
+    MIN_OPSET,
     TARGET_GRAPH,
     TARGET_INPUTS,
     TARGET_OUTPUTS,
@@ -50,7 +51,6 @@ TOKENIZER_FILES = (
     "special_tokens_map.json",
     "chat_template.jinja",
 )
-MIN_OPSET = 18  # the torch.onnx dynamo exporter's lowest supported opset
 
 
 @dataclass
@@ -61,7 +61,7 @@ class ExportSettings:
     target: Path
     out: Path
     variant: str = "plugin"
-    opset: int = 20
+    opset: int | None = None  # None: 20, or 23 for the `attention` variant
     topk: int = 8
     overwrite: bool = False
     check_atol: float = 1e-4
@@ -77,8 +77,12 @@ def validate_settings(s: ExportSettings) -> None:
     """Raise one `UserInputError` per bad input, before anything is loaded or written."""
     if s.variant not in VARIANTS:
         raise UserInputError(f"--variant must be one of {', '.join(VARIANTS)}, got {s.variant!r}")
-    if s.opset < MIN_OPSET:
-        raise UserInputError(f"--opset must be >= {MIN_OPSET}, got {s.opset}")
+    if s.opset is None:
+        s.opset = max(20, MIN_OPSET[s.variant])
+    if s.opset < MIN_OPSET[s.variant]:
+        raise UserInputError(
+            f"--opset must be >= {MIN_OPSET[s.variant]} for the {s.variant!r} variant, got {s.opset}"
+        )
     if s.topk < 1:
         raise UserInputError(f"--topk must be >= 1, got {s.topk}")
     out = Path(s.out)
@@ -214,6 +218,10 @@ def compare_with_torch(module, example, path: Path, output_names: list[str], ato
             self.inference_time = end - start
             return OrderedDict((n, o.cpu().numpy()) for n, o in zip(self.output_names, outs, strict=True))
 
+    from polygraphy.logger import G_LOGGER
+
+    if not log.isEnabledFor(logging.INFO):  # --quiet: only the verdict (an exception) matters
+        G_LOGGER.module_severity = G_LOGGER.WARNING
     meta = TensorMetadata()
     for name, value in example.items():
         meta.add(name, value.numpy().dtype, tuple(value.shape))

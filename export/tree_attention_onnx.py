@@ -81,8 +81,20 @@ def tree_attention_to_onnx(query, past_key, past_value, key, value, packed_mask,
     )
 
 
+def masked_attention_to_onnx(query, keys, values, visible, scale: float):
+    """Translation of `jetflow::masked_attention`: one opset-23 `Attention` node (GQA from the 4-D
+    shapes, boolean mask `[N, P+N]` broadcast over batch and heads)."""
+    from onnxscript import opset23
+
+    outputs = opset23.Attention(query, keys, values, visible, scale=float(scale))
+    return outputs[0] if isinstance(outputs, tuple | list) else outputs
+
+
 def translation_table() -> dict:
     """`custom_translation_table` for `torch.onnx.export(..., dynamo=True)`."""
-    import jetflow_pl.ops  # noqa: F401  (registers the torch op)
+    import jetflow_pl.ops  # noqa: F401  (registers the torch ops)
 
-    return {torch.ops.jetflow.tree_attention.default: tree_attention_to_onnx}
+    return {
+        torch.ops.jetflow.tree_attention.default: tree_attention_to_onnx,
+        torch.ops.jetflow.masked_attention.default: masked_attention_to_onnx,
+    }

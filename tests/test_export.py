@@ -50,7 +50,7 @@ pytestmark = pytest.mark.skipif(
 def engines(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("engines")
     out = {}
-    for variant in ("plugin", "portable"):
+    for variant in ("plugin", "portable", "attention"):
         out[variant] = export_engine(
             ExportSettings(head=SMALL_HEAD_DIR, target=SMALL_TARGET_DIR, out=root / variant, variant=variant)
         )
@@ -103,7 +103,18 @@ def test_portable_graph_uses_only_standard_onnx_ops(engines, file):
     onnx.checker.check_model(model, full_check=True)
 
 
-@pytest.mark.parametrize("variant", ["plugin", "portable"])
+@pytest.mark.parametrize("file,layers_key", [(TARGET_GRAPH, "target"), (HEAD_GRAPH, "head")])
+def test_attention_variant_has_one_opset23_attention_node_per_layer(engines, file, layers_key):
+    config = load_engine_config(engines["attention"])
+    model = _load(engines["attention"], file)
+    assert config["opset"] == 23
+    assert {(o.domain or "ai.onnx"): o.version for o in model.opset_import}["ai.onnx"] == 23
+    assert sum(n.op_type == "Attention" for n in model.graph.node) == config[layers_key]["num_layers"]
+    assert {n.domain for n in model.graph.node} <= {"", "ai.onnx"}
+    onnx.checker.check_model(model, full_check=True)
+
+
+@pytest.mark.parametrize("variant", ["plugin", "portable", "attention"])
 def test_graph_inputs_outputs_and_dynamic_axes_follow_the_contract(engines, variant):
     config = load_engine_config(engines[variant])
     for role, file, inputs, outputs in (
@@ -175,6 +186,21 @@ def test_verify_graph_matches_hf_target_on_a_wide_tree_after_a_prefix(engines, p
     assert torch.allclose(got, want, atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("role", ["target", "head"])
+def test_attention_variant_graphs_parse_and_build_with_tensorrt_rtx(engines, role):
+    """Op-coverage lint on TensorRT's CPU-capable flavour for the opset-23 `Attention` graphs (ONNX
+    `Attention` becomes TensorRT's IAttention); the portable graphs' lint is in test_tensorrt.py."""
+    variant = "attention"
+    tensorrt_rtx = pytest.importorskip("tensorrt_rtx", reason="tensorrt-rtx is not installed: lint skipped")
+    from export.tensorrt_build import ProfileLimits, build_serialized_engine, profile_shapes
+
+    config = load_engine_config(engines[variant])
+    limits = ProfileLimits.make(max_tree=64, max_context=int(config["max_positions"]))
+    graph = engines[variant] / config["graphs"][role]["file"]
+    engine = build_serialized_engine(tensorrt_rtx, graph, profile_shapes(role, config, limits), "fp32")
+    assert len(engine) > 1000
+
+
 def test_onnxruntime_plugin_loader_leaves_the_file_untouched(engines):
     path = engines["plugin"] / HEAD_GRAPH
     before = path.read_bytes()
@@ -205,7 +231,7 @@ def torch_results(pair, parity_prompts) -> dict[int, list]:
     return out
 
 
-@pytest.mark.parametrize("variant", ["plugin", "portable"])
+@pytest.mark.parametrize("variant", ["plugin", "portable", "attention"])
 @pytest.mark.parametrize("budget", [16, 64])
 def test_onnxruntime_decoding_matches_torch_tokens_and_accept_lengths(
     engines, parity_prompts, torch_results, variant, budget

@@ -73,3 +73,17 @@ def test_bad_shapes_and_mask_dtype_are_refused():
     good, _ = random_case(4, 2, 4, 2, seed=1)
     with pytest.raises(ValueError, match="int32"):
         tree_attention_reference(*good[:5], good[5].to(torch.int64), good[6])
+
+
+def test_masked_attention_path_equals_the_tree_attention_reference():
+    """The `attention` export variant's decomposition computes the same contract."""
+    from jetflow_pl.ops.tree_attention import tree_attention_via_masked_attention
+
+    args, _ = random_case(45, 6, 4, 2, seed=7)
+    assert torch.allclose(
+        tree_attention_via_masked_attention(*args), tree_attention_reference(*args), atol=1e-6
+    )
+    q, pk, pv, k, v, mask, scale = args
+    keys, values = torch.cat([pk, k], 2), torch.cat([pv, v], 2)
+    visible = torch.ones(45, 51, dtype=torch.bool)
+    torch.library.opcheck(torch.ops.jetflow.masked_attention.default, (q, keys, values, visible, scale))

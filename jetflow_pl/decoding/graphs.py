@@ -5,7 +5,9 @@ embeddings), with the KV caches as explicit tensors and attention as `jetflow::t
 
 * variant `plugin`: attention is the custom op, which the exporter translates into one
   `jetflow::TreeAttention` node per layer (a TensorRT plugin, or an onnxruntime-extensions Python op);
-* variant `portable`: attention is `tree_attention_reference`, which exports to standard ONNX ops.
+* variant `portable`: attention is `tree_attention_reference`, which exports to standard ONNX ops;
+* variant `attention`: the packed mask is unpacked in standard ops and each layer's attention is one
+  opset-23 `Attention` node (the plugin-free TensorRT path through its `IAttention` layer).
 
 Batch is 1 (one sequence per decode loop). The exporter turns them into ONNX graphs; run eagerly they are
 `TorchGraphBackend`'s compute (on CUDA the op dispatches to the Triton kernel).
@@ -21,7 +23,11 @@ from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from jetflow_pl.head import DraftHead
-from jetflow_pl.ops import tree_attention, tree_attention_reference
+from jetflow_pl.ops.tree_attention import (
+    tree_attention,
+    tree_attention_reference,
+    tree_attention_via_masked_attention,
+)
 from jetflow_pl.target import TargetModel
 
 AttentionFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float], Tensor]
@@ -33,7 +39,9 @@ def attention_for(variant: str) -> AttentionFn:
         return tree_attention
     if variant == "portable":
         return tree_attention_reference
-    raise ValueError(f"unknown export variant {variant!r}: expected 'plugin' or 'portable'")
+    if variant == "attention":
+        return tree_attention_via_masked_attention
+    raise ValueError(f"unknown export variant {variant!r}: expected 'plugin', 'portable' or 'attention'")
 
 
 def _check_target_exportable(target: TargetModel) -> None:

@@ -65,6 +65,31 @@ def _check_shapes(query: Tensor, past_key: Tensor, past_value: Tensor, key: Tens
         raise ValueError(f"query heads {query.shape[1]} must be a multiple of KV heads {key.shape[1]} (GQA)")
 
 
+def tree_attention_parts(
+    query: Tensor, past_key: Tensor, past_value: Tensor, key: Tensor, value: Tensor, packed_mask: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The contract as dense attention inputs: K `[B,Hkv,P+N,d]`, V, visibility bool `[N, P+N]`."""
+    _check_shapes(query, past_key, past_value, key, value)
+    n = query.shape[2]
+    keys = torch.cat([past_key.to(query.dtype), key], dim=2)
+    values = torch.cat([past_value.to(query.dtype), value], dim=2)
+    tree_visible = packed_mask_to_dense(packed_mask, n)  # [N, N]
+    prefix_visible = torch.ones_like(tree_visible[:, :1]).expand(n, past_key.shape[2])
+    return keys, values, torch.cat([prefix_visible, tree_visible], dim=1)
+
+
+def dense_attention(query: Tensor, keys: Tensor, values: Tensor, visible: Tensor, scale: float) -> Tensor:
+    """SDPA over `[B,Hkv,S,d]` K/V (GQA expanded here) with a bool visibility mask `[N, S]`."""
+    b, hq, _, d = query.shape
+    hkv = keys.shape[1]
+    group = hq // hkv
+    if group > 1:  # GQA: expand + reshape (exports as Expand/Reshape; no repeat_interleave)
+        total = keys.shape[2]
+        keys = keys[:, :, None].expand(b, hkv, group, total, d).reshape(b, hq, total, d)
+        values = values[:, :, None].expand(b, hkv, group, total, d).reshape(b, hq, total, d)
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=scale)
+
+
 def tree_attention_reference(
     query: Tensor,
     past_key: Tensor,
@@ -75,20 +100,34 @@ def tree_attention_reference(
     scale: float,
 ) -> Tensor:
     """Reference implementation (SDPA with a dense boolean mask); see the module docstring."""
-    _check_shapes(query, past_key, past_value, key, value)
-    b, hq, n, d = query.shape
-    hkv = key.shape[1]
-    group = hq // hkv
-    keys = torch.cat([past_key.to(query.dtype), key], dim=2)
-    values = torch.cat([past_value.to(query.dtype), value], dim=2)
-    if group > 1:  # GQA: expand + reshape (exports as Expand/Reshape; no repeat_interleave)
-        total = keys.shape[2]
-        keys = keys[:, :, None].expand(b, hkv, group, total, d).reshape(b, hq, total, d)
-        values = values[:, :, None].expand(b, hkv, group, total, d).reshape(b, hq, total, d)
-    tree_visible = packed_mask_to_dense(packed_mask, n)  # [N, N]
-    prefix_visible = torch.ones_like(tree_visible[:, :1]).expand(n, past_key.shape[2])
-    visible = torch.cat([prefix_visible, tree_visible], dim=1)  # [N, P + N]
-    return F.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=scale)
+    keys, values, visible = tree_attention_parts(query, past_key, past_value, key, value, packed_mask)
+    return dense_attention(query, keys, values, visible, scale)
+
+
+@torch.library.custom_op("jetflow::masked_attention", mutates_args=())
+def masked_attention(query: Tensor, keys: Tensor, values: Tensor, visible: Tensor, scale: float) -> Tensor:
+    """`torch.ops.jetflow.masked_attention`: dense attention as one node, exported as ONNX opset-23
+    `Attention` (the plugin-free `attention` graph variant); computes `dense_attention` on eager."""
+    return dense_attention(query, keys, values, visible, scale)
+
+
+@masked_attention.register_fake
+def _masked_attention_fake(query, keys, values, visible, scale):  # noqa: ARG001
+    return torch.empty_like(query)
+
+
+def tree_attention_via_masked_attention(
+    query: Tensor,
+    past_key: Tensor,
+    past_value: Tensor,
+    key: Tensor,
+    value: Tensor,
+    packed_mask: Tensor,
+    scale: float,
+) -> Tensor:
+    """The contract with the mask unpacked in standard ops and the attention itself one `Attention` node."""
+    keys, values, visible = tree_attention_parts(query, past_key, past_value, key, value, packed_mask)
+    return masked_attention(query, keys, values, visible, scale)
 
 
 @torch.library.custom_op("jetflow::tree_attention", mutates_args=())
