@@ -24,10 +24,10 @@ if str(REPO) not in sys.path:
 
 from bench.decode import domain_prompts, load_target, mean_tau, run_prompts, tokens_per_s  # noqa: E402
 from data_gen.toy import SMALL_HEAD_DIR, SMALL_TARGET_DIR  # noqa: E402
+from jetflow_pl.checkpoints import load_draft_head  # noqa: E402
 from jetflow_pl.decoding import ARGenerator, SpeculativeGenerator  # noqa: E402
 from jetflow_pl.decoding.ort_backend import OnnxRuntimeBackend  # noqa: E402
 from jetflow_pl.decoding.torch_backend import TorchBackend  # noqa: E402
-from jetflow_pl.head import DraftHead  # noqa: E402
 
 
 def ensure_engine(engine_dir: Path | None, variant: str) -> Path:
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     engine = ensure_engine(args.engine_dir, args.variant)
     tokenizer, target = load_target(SMALL_TARGET_DIR)
-    head = DraftHead.from_pretrained(str(args.head)).eval()
+    head = load_draft_head(args.head).eval()
     prompts = domain_prompts(tokenizer, args.domain, args.n_prompts)
     eos = tokenizer.eos_token_id
     t0 = time.time()

@@ -36,6 +36,7 @@ from export.contract import (
 )
 from export.engine_config import FORMAT, FORMAT_VERSION, write_engine_config
 from export.tree_attention_onnx import translation_table
+from jetflow_pl.checkpoints import load_draft_head
 from jetflow_pl.decoding.graphs import DraftHeadGraph, TargetVerifyGraph, pair_config
 from jetflow_pl.errors import UserInputError
 from jetflow_pl.head import DraftHead
@@ -257,10 +258,7 @@ def _engine_config(s: ExportSettings, head: DraftHead, target: TargetModel) -> d
 
 def load_pair(head_dir: Path, target_dir: Path) -> tuple[DraftHead, TargetModel]:
     """Load the head and the frozen target (fp32, CPU) and check that they fit; errors are user errors."""
-    try:
-        head = DraftHead.from_pretrained(str(head_dir))
-    except (OSError, ValueError) as err:
-        raise UserInputError(f"cannot load the draft head from {head_dir}: {err}") from err
+    head = load_draft_head(head_dir)  # safetensors only; a corrupt file is named
     target = TargetModel.from_pretrained(target_dir)
     try:
         head.check_compatible(target.config)

@@ -29,10 +29,13 @@ def test_module_cli_lists_lightning_subcommands():
         assert sub in out.stdout
 
 
-def test_export_refuses_instead_of_pretending(tmp_path, capsys):
+def test_export_with_missing_folders_is_one_error_and_writes_nothing(tmp_path, capsys):
     out = tmp_path / "engine"
-    assert export_main(["--head", "h", "--target", "t", "--out", str(out)]) == 2
-    assert "not implemented" in capsys.readouterr().err
+    assert (
+        export_main(["--head", str(tmp_path / "h"), "--target", str(tmp_path / "t"), "--out", str(out)]) == 2
+    )
+    err = capsys.readouterr().err
+    assert err.startswith("error: --head") and "is not a directory" in err
     assert not out.exists()
 
 
