@@ -79,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--backend",
+        choices=["torch", "graph", "onnxruntime"],
+        default="torch",
+        help="torch: HF target + head; graph: the decode graphs eagerly in torch (tree-attention op, Triton "
+        "on CUDA); onnxruntime: an exported engine directory (--engine-dir)",
+    )
+    p.add_argument("--engine-dir", type=Path, default=None, help="engine directory for --backend onnxruntime")
     p.add_argument("--compare", action="store_true", help="also time AR decoding and HF generate()")
     p.add_argument("--json", type=Path, default=None, help="write per-prompt metrics to this JSON file")
     return p
@@ -146,6 +154,31 @@ def _check_device(name: str) -> None:
         raise UserInputError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
 
 
+def _backends(args: argparse.Namespace, target: TargetModel, head: DraftHead):
+    """(speculative backend, AR backend): AR runs on the same kind of backend, so speedups compare like
+    with like (DESIGN.md section 4)."""
+    if args.backend == "torch":
+        return TorchBackend(target, head), TorchBackend(target)
+    if args.backend == "graph":
+        from jetflow_pl.decoding.graph_backend import TorchGraphBackend
+
+        backend = TorchGraphBackend(target, head, topk=max(8, args.width))
+        return backend, backend
+    if args.engine_dir is None:
+        raise UserInputError("--backend onnxruntime needs --engine-dir DIR (written by jetflow-export)")
+    from jetflow_pl.decoding.ort_backend import OnnxRuntimeBackend
+
+    try:
+        backend = OnnxRuntimeBackend(args.engine_dir)
+    except (FileNotFoundError, ValueError) as err:
+        raise UserInputError(str(err)) from err
+    try:
+        backend.check_width(args.width)
+    except ValueError as err:
+        raise UserInputError(str(err)) from err
+    return backend, backend
+
+
 def _run(args: argparse.Namespace) -> int:
     _check_device(args.device)
     prompts = list(args.prompt)
@@ -169,8 +202,9 @@ def _run(args: argparse.Namespace) -> int:
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
     eos = tokenizer.eos_token_id
     policy = Top2GapCap(args.gap_cap) if args.gap_cap is not None else None
-    spec = SpeculativeGenerator(TorchBackend(target, head), args.budget, args.width, policy, eos)
-    ar = ARGenerator(TorchBackend(target), eos) if args.compare else None
+    backend, ar_backend = _backends(args, target, head)
+    spec = SpeculativeGenerator(backend, args.budget, args.width, policy, eos)
+    ar = ARGenerator(ar_backend, eos) if args.compare else None
 
     rows = []
     for text in prompts:

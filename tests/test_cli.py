@@ -92,3 +92,24 @@ def test_bad_input_is_one_line_not_a_traceback(tmp_path):
     errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "missing.jsonl" in errors[0]
     assert not (tmp_path / "out").exists()
+
+
+@needs_small
+def test_generate_graph_backend_matches_the_torch_backend(tmp_path, capsys):
+    rows = {}
+    for backend in ("torch", "graph"):
+        report = tmp_path / f"{backend}.json"
+        argv = ["--target", str(SMALL), "--head", str(data_gen.toy.SMALL_HEAD_DIR), "--backend", backend]
+        argv += ["--prompt", "Ann has 4 bags with 6 apples each. How many apples?", "--budget", "16"]
+        assert generate_main([*argv, "--max-new-tokens", "24", "--json", str(report)]) == 0
+        (rows[backend],) = json.loads(report.read_text())
+    assert rows["graph"]["output"] == rows["torch"]["output"]
+    assert rows["graph"]["tau"] == rows["torch"]["tau"] > 1.0
+
+
+def test_generate_onnxruntime_backend_needs_an_engine_dir(tmp_path, capsys):
+    argv = ["--target", str(SMALL), "--prompt", "hi", "--backend", "onnxruntime"]
+    assert generate_main(argv) == 2
+    assert "error: --backend onnxruntime needs --engine-dir" in capsys.readouterr().err
+    assert generate_main([*argv, "--engine-dir", str(tmp_path / "none")]) == 2
+    assert "engine directory does not exist" in capsys.readouterr().err
