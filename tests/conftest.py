@@ -23,3 +23,12 @@ def tiny_target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _ieee_subnormals():
+    """Tests that build a DistillationModule without fitting it leave flush-to-zero on (it is process-wide
+    by design, see DistillationModule); reset it so later tests, e.g. hypothesis float strategies, are
+    independent of test order."""
+    yield
+    torch.set_flush_denormal(False)

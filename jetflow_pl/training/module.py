@@ -268,6 +268,12 @@ class DistillationModule(LightningModule):
     def num_depths(self) -> int:
         return self.head.block_size - 1
 
+    def teardown(self, stage: str) -> None:
+        """Undo the process-wide flush-to-zero once the trainer is done with this module, so code that runs
+        later in the same process (evaluation, other libraries, hypothesis) sees IEEE subnormals again."""
+        if self.hparams.get("flush_denormal", False):
+            torch.set_flush_denormal(False)
+
     def setup(self, stage: str) -> None:
         """Check the packed training rows (when the data module exposes them) before the first step."""
         if stage != "fit" or self._trainer is None:
