@@ -2,8 +2,10 @@
 
 Steps: validate every input (before any work) -> load the frozen target and the head -> export both
 graphs with the torch.onnx dynamo exporter into a temporary sibling directory -> `onnx.checker` full
-check -> compare ONNX Runtime with the eager torch graphs through polygraphy's comparator -> copy the
-tokenizer, write `config.json` -> rename the temporary directory into place. Any failure removes the
+check -> compare ONNX Runtime with the eager torch graphs through polygraphy's runners under the parity
+rule of `export/parity.py` (row-wise norm-relative error, exact ids) -> copy the tokenizer, write
+`config.json` -> a short greedy decode through the exported graphs on ONNX Runtime must give the torch
+backend's tokens -> record the parity report in `config.json` -> rename the temporary directory into place. Any failure removes the
 temporary directory, so a half-written engine directory never appears under the requested name.
 """
 
@@ -18,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import onnx
 import torch
 
@@ -35,6 +36,16 @@ from export.contract import (
     VARIANTS,
 )
 from export.engine_config import FORMAT, FORMAT_VERSION, write_engine_config
+from export.parity import (
+    DECODE_CHECK_TEXT,
+    OutputCheck,
+    compare_graph_with_torch,
+    greedy_decode_check,
+    head_tolerance,
+    parity_report,
+    raise_on_failure,
+    target_tolerance,
+)
 from export.tree_attention_onnx import translation_table
 from jetflow_pl.checkpoints import load_draft_head
 from jetflow_pl.decoding.graphs import DraftHeadGraph, TargetVerifyGraph, pair_config
@@ -65,8 +76,6 @@ class ExportSettings:
     opset: int | None = None  # None: 20, or 23 for the `attention` variant
     topk: int = 8
     overwrite: bool = False
-    check_atol: float = 1e-4
-    check_rtol: float = 1e-3
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -197,46 +206,15 @@ def check_graph(path: Path) -> onnx.ModelProto:
     return onnx.load(str(path), load_external_data=False)
 
 
-def compare_with_torch(module, example, path: Path, output_names: list[str], atol: float, rtol: float):
-    """Run ONNX Runtime and the eager module on the same inputs through polygraphy's comparator."""
-    from polygraphy import util as poly_util
-    from polygraphy.backend.onnxrt import OnnxrtRunner
-    from polygraphy.backend.pyt import PytRunner
-    from polygraphy.common import TensorMetadata
-    from polygraphy.comparator import Comparator, CompareFunc
+def decode_check_prompt(target_dir: Path) -> list[int]:
+    """Token ids of the greedy decode check's fixed text, in the target's own tokenizer."""
+    from transformers import AutoTokenizer
 
-    from jetflow_pl.decoding.ort_session import make_session
-
-    class CpuTorchRunner(PytRunner):
-        """polygraphy's PytRunner moves inputs to CUDA; this one stays on the module's device (CPU)."""
-
-        @poly_util.check_called_by("infer")
-        def infer_impl(self, feed_dict):
-            with torch.no_grad():
-                start = time.time()
-                outs = self.model(*[torch.from_numpy(np.asarray(v)) for v in feed_dict.values()])
-                end = time.time()
-            self.inference_time = end - start
-            return OrderedDict((n, o.cpu().numpy()) for n, o in zip(self.output_names, outs, strict=True))
-
-    from polygraphy.logger import G_LOGGER
-
-    if not log.isEnabledFor(logging.INFO):  # --quiet: only the verdict (an exception) matters
-        G_LOGGER.module_severity = G_LOGGER.WARNING
-    meta = TensorMetadata()
-    for name, value in example.items():
-        meta.add(name, value.numpy().dtype, tuple(value.shape))
-    feed = OrderedDict((k, v.numpy()) for k, v in example.items())
-    runners = [
-        CpuTorchRunner(lambda: module, meta, output_names, name="torch"),
-        OnnxrtRunner(make_session(path), name="onnxruntime"),
-    ]
-    results = Comparator.run(runners, data_loader=[feed])
-    ok = bool(Comparator.compare_accuracy(results, compare_func=CompareFunc.simple(atol=atol, rtol=rtol)))
-    if not ok:
-        raise RuntimeError(
-            f"ONNX Runtime outputs of {path.name} differ from torch beyond atol={atol}, rtol={rtol}"
-        )
+    tok = AutoTokenizer.from_pretrained(str(target_dir), local_files_only=True)
+    ids = tok(DECODE_CHECK_TEXT, add_special_tokens=True)["input_ids"]
+    if not ids:
+        raise UserInputError(f"the tokenizer in {target_dir} encodes the check text to no tokens")
+    return list(ids)
 
 
 def _engine_config(s: ExportSettings, head: DraftHead, target: TargetModel) -> dict[str, Any]:
@@ -289,20 +267,44 @@ def export_engine(s: ExportSettings) -> Path:
                 HEAD_GRAPH,
             ),
         ]
+        tolerances = {"target": target_tolerance(target), "head": head_tolerance(head)}
+        checks: list[OutputCheck] = []
         for role, module, example, file in graphs:
             t0 = time.perf_counter()
             log.info("exporting the %s graph (%s variant)", role, s.variant)
             _export_graph(module, example, role, tmp / file, s.opset, dims)
             check_graph(tmp / file)
             names = list(HEAD_OUTPUTS if role == "head" else TARGET_OUTPUTS)
-            compare_with_torch(module, example, tmp / file, names, s.check_atol, s.check_rtol)
+            graph_checks = compare_graph_with_torch(
+                module, example, tmp / file, names, role, tolerances[role]
+            )
+            for c in graph_checks:
+                log.info(
+                    "  parity %s %s: %s %.3g (tolerance %.3g)", file, c.output, c.kind, c.error, c.tolerance
+                )
+            raise_on_failure(graph_checks)
+            checks += graph_checks
             log.info("%s graph exported, checked and compared in %.1fs", role, time.perf_counter() - t0)
         tok_dir = tmp / TOKENIZER_DIR
         tok_dir.mkdir()
         for name in TOKENIZER_FILES:
             if (Path(s.target) / name).is_file():
                 shutil.copy2(Path(s.target) / name, tok_dir / name)
-        write_engine_config(tmp, _engine_config(s, head, target))
+        config = _engine_config(s, head, target)
+        write_engine_config(tmp, config)
+        t0 = time.perf_counter()
+        decode = greedy_decode_check(
+            tmp, head, target, decode_check_prompt(Path(s.target)), tolerances["target"]
+        )
+        log.info(
+            "greedy decode through the exported graphs: %d/%d tokens equal to torch (tau %.2f) in %.1fs",
+            decode.matched,
+            decode.tokens,
+            decode.tau,
+            time.perf_counter() - t0,
+        )
+        config["parity"] = parity_report(checks, decode)
+        write_engine_config(tmp, config)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -340,7 +340,7 @@ def test_a_failure_during_export_leaves_no_partial_engine_dir(tmp_path, monkeypa
     def boom(*args, **kwargs):
         raise RuntimeError("simulated crash after the first graph")
 
-    monkeypatch.setattr(onnx_export, "compare_with_torch", boom)
+    monkeypatch.setattr(onnx_export, "compare_graph_with_torch", boom)
     out = tmp_path / "engine"
     with pytest.raises(RuntimeError, match="simulated crash"):
         export_engine(
