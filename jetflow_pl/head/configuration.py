@@ -8,6 +8,13 @@ Saved `config.json` layout (what public DFlash/JetSpec loaders read)::
                        "mask_token_id": 151669, "target_hidden_size": 4096}}
 
 `model_type` stays "qwen3" (inherited) so generic tooling reads the file as a Qwen3 config.
+
+RoPE in both dialects: transformers 5 keeps RoPE in `rope_parameters` only, while loaders built on
+transformers 4.x (public DFlash/JetSpec code among them) read a top-level `rope_theta` (and `rope_scaling`
+for scaled RoPE) and silently fall back to base 1e4 without it. The saved config therefore also carries
+`rope_theta` (always) and `rope_scaling` (when the RoPE type is not "default"), derived from
+`rope_parameters` at save time so the two can never disagree; a 4.x-style file (top-level `rope_theta`
+only) loads with that base.
 """
 
 from __future__ import annotations
@@ -38,6 +45,18 @@ def default_target_layer_ids(num_target_layers: int, num_head_layers: int) -> li
     else:
         ids = [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
     return [min(max(int(i), 0), L - 1) for i in ids]
+
+
+def legacy_rope_fields(rope_parameters: Any) -> dict[str, Any]:
+    """The transformers-4.x spelling of `rope_parameters`: `{"rope_theta": ...}` plus `rope_scaling`
+    (the parameters without `rope_theta`) when the type is not "default". Empty for per-layer-type
+    (nested) RoPE, which 4.x has no spelling for."""
+    if not isinstance(rope_parameters, dict) or "rope_theta" not in rope_parameters:
+        return {}
+    out: dict[str, Any] = {"rope_theta": float(rope_parameters["rope_theta"])}
+    if rope_parameters.get("rope_type", "default") != "default":
+        out["rope_scaling"] = {k: copy.deepcopy(v) for k, v in rope_parameters.items() if k != "rope_theta"}
+    return out
 
 
 def _get(cfg: Any, name: str, default: Any = None) -> Any:
@@ -92,6 +111,19 @@ class DraftHeadConfig(Qwen3Config):
         if self.architectures is None:
             self.architectures = ["DraftHead"]
         super().__post_init__(**kwargs)
+
+    # ---- serialization: both RoPE dialects ----------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        out.update(legacy_rope_fields(out.get("rope_parameters")))
+        return out
+
+    def to_diff_dict(self) -> dict[str, Any]:
+        # `save_pretrained` writes the diff against the class defaults, which would drop `rope_theta`
+        # whenever it equals this version's default: write it anyway, 4.x loaders have their own default.
+        out = super().to_diff_dict()
+        out.update(legacy_rope_fields(self.rope_parameters))
+        return out
 
     # ---- convenience views of dflash_config -------------------------------------------------------
     @property
