@@ -308,10 +308,18 @@ def smollm2_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_dir):
+    """Tokenizer, TargetModel and HF model of the real target, run on one intra-op thread.
+
+    One thread: on a shared, oversubscribed 2-core machine a 2-thread OpenMP pool made 8 greedy steps of
+    this model take 8-27 s instead of 1 s (measured); the results do not depend on the thread count.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     target = TargetModel.from_pretrained(smollm2_dir, tap_layer_ids=(1, 15, 29))
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir).eval()
-    return tok, target, hf
+    yield tok, target, hf
+    torch.set_num_threads(threads)
 
 
 def chat_ids(tok, text: str) -> list[int]:
