@@ -8,7 +8,7 @@ from .anchors import sample_anchors, segment_ids
 from .losses import LOSS_KINDS, chunked_kl_loss, offset_weights, teacher_positions
 from .masks import block_positions, build_training_mask, document_positions
 from .metrics import DepthAgreement, SimulatedAcceptanceLength, simulated_acceptance_length
-from .step import BlockBatch, distill_step, prepare_blocks, target_packing_mask
+from .step import BlockBatch, distill_step, prepare_blocks, target_features, target_packing_mask
 
 # The Lightning pieces import lazily, so `import jetflow_pl.training` stays free of Lightning.
 _LAZY = {
@@ -46,6 +46,7 @@ __all__ = [
     "sample_anchors",
     "segment_ids",
     "simulated_acceptance_length",
+    "target_features",
     "target_packing_mask",
     "teacher_positions",
 ]

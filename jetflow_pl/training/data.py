@@ -32,6 +32,12 @@ at a staging folder next to `dataset_path` and `regenerate_overrides` applied. I
 that its own Trainer cannot disturb the fit's (process group, devices, seeds). Only a finished run is
 renamed to `dataset_path` (one atomic `rename`), so an interrupted regeneration never looks like a
 dataset; rerunning `fit` resumes the staging run (the regeneration writer skips finished ids).
+
+Teacher cache (`teacher_cache`): after the data is there, `prepare_data` also builds (or finishes) the
+on-disk cache of the target's features for every document (`teacher_cache.py`), with the target of the
+attached `DistillationModule`; `setup` checks its fingerprint on every rank. Each packed row then also
+carries `taps` `[S, n*H]` and `teacher_hidden` `[S, H]` (storage dtype, zeros on padding), read per row
+from at most one memory-mapped shard, and the step does not run the target.
 """
 
 from __future__ import annotations
@@ -52,12 +58,21 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from jetflow_pl.errors import UserInputError
 
+from .teacher_cache import (
+    DEFAULT_STORAGE_DTYPE,
+    STORAGE_DTYPES,
+    TeacherCache,
+    build_teacher_cache,
+    cache_fingerprint,
+    dataset_identity,
+)
+
 DEFAULT_TOY_COUNTS = {"math": 6000, "code": 1000, "prose": 500}
 
 
 # --------------------------------------------------------------------------------------------- loading
-def load_regenerated(path: str | Path) -> list[dict]:
-    """Documents `{"input_ids", "loss_mask", "domain"}` from a regenerated dataset folder."""
+def open_regenerated(path: str | Path):
+    """The regenerated `datasets.Dataset` at `path` (or `<path>/dataset`), memory-mapped, schema-checked."""
     from datasets import load_from_disk
 
     path = Path(path)
@@ -78,13 +93,24 @@ def load_regenerated(path: str | Path) -> list[dict]:
             f"dataset at {str(path)!r} lacks column(s) {missing}; expected the regeneration schema "
             "(id, domain, input_ids, loss_mask, prompt_len, response, finish_reason)"
         )
+    return ds
+
+
+def load_regenerated(path: str | Path) -> list[dict]:
+    """Documents `{"input_ids", "loss_mask", "domain", "source_row"}` from a regenerated dataset folder.
+
+    `source_row` is the document's row in the dataset: the key of its teacher-cache entry.
+    """
+    ds = open_regenerated(path)
     cols = ["input_ids", "loss_mask"] + (["domain"] if "domain" in ds.column_names else [])
     docs = []
-    for row in ds.select_columns(cols):
+    for i, row in enumerate(ds.select_columns(cols)):
         ids, mask = list(row["input_ids"]), [bool(m) for m in row["loss_mask"]]
         if len(ids) != len(mask):
             raise UserInputError(f"a row of {str(path)!r} has input_ids and loss_mask of different lengths")
-        docs.append({"input_ids": ids, "loss_mask": mask, "domain": row.get("domain", "") or ""})
+        docs.append(
+            {"input_ids": ids, "loss_mask": mask, "domain": row.get("domain", "") or "", "source_row": i}
+        )
     return docs
 
 
@@ -218,49 +244,63 @@ def apply_domain_weights(docs: list[dict], weights: dict[str, float] | None, see
 
 # --------------------------------------------------------------------------------------------- packing
 def pack_documents(
-    docs: Sequence[dict], seq_len: int, pad_token_id: int = 0, split_documents: bool = True
+    docs: Sequence[dict],
+    seq_len: int,
+    pad_token_id: int = 0,
+    split_documents: bool = True,
+    return_segments: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Pack documents (in the given order) into `[N, seq_len]` rows; see the module docstring.
 
     Returns `input_ids` (long), `loss_mask` (bool), `doc_ids` (long: 0, 1, 2, ... per row in order of
-    appearance, the padding tail one more than the row's last document).
+    appearance, the padding tail one more than the row's last document). With `return_segments` also
+    `segments`: per row a list of `(source_row, doc_start, row_start, length)` (the document's
+    `source_row`, -1 without one), i.e. where each piece of each document landed (for the teacher cache).
     """
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
     rows_ids: list[list[int]] = []
     rows_mask: list[list[bool]] = []
     rows_doc: list[list[int]] = []
+    rows_seg: list[list[tuple[int, int, int, int]]] = []
+    cur_seg: list[tuple[int, int, int, int]] = []
     cur_ids: list[int] = []
     cur_mask: list[bool] = []
     cur_doc: list[int] = []
     n_docs = 0  # documents (segments) in the current row
 
     def flush() -> None:
-        nonlocal cur_ids, cur_mask, cur_doc, n_docs
+        nonlocal cur_ids, cur_mask, cur_doc, n_docs, cur_seg
         if not cur_ids:
             return
         pad = seq_len - len(cur_ids)
         rows_ids.append(cur_ids + [pad_token_id] * pad)
         rows_mask.append(cur_mask + [False] * pad)
         rows_doc.append(cur_doc + [n_docs] * pad)
-        cur_ids, cur_mask, cur_doc, n_docs = [], [], [], 0
+        rows_seg.append(cur_seg)
+        cur_ids, cur_mask, cur_doc, n_docs, cur_seg = [], [], [], 0, []
 
     for doc in docs:
         ids, mask = list(doc["input_ids"]), [bool(m) for m in doc["loss_mask"]]
         if not ids:
             continue
+        src = int(doc.get("source_row", -1))
         if not split_documents:
             ids, mask = ids[:seq_len], mask[:seq_len]
             if len(cur_ids) + len(ids) > seq_len:
                 flush()
+            cur_seg.append((src, 0, len(cur_ids), len(ids)))
             cur_ids += ids
             cur_mask += mask
             cur_doc += [n_docs] * len(ids)
             n_docs += 1
             continue
+        start = 0
         while ids:
             room = seq_len - len(cur_ids)
             take = min(room, len(ids))
+            cur_seg.append((src, start, len(cur_ids), take))
+            start += take
             cur_ids += ids[:take]
             cur_mask += mask[:take]
             cur_doc += [n_docs] * take
@@ -270,16 +310,20 @@ def pack_documents(
                 flush()
     flush()
     if not rows_ids:
-        return {
+        out = {
             "input_ids": torch.zeros(0, seq_len, dtype=torch.long),
             "loss_mask": torch.zeros(0, seq_len, dtype=torch.bool),
             "doc_ids": torch.zeros(0, seq_len, dtype=torch.long),
         }
-    return {
-        "input_ids": torch.tensor(rows_ids, dtype=torch.long),
-        "loss_mask": torch.tensor(rows_mask, dtype=torch.bool),
-        "doc_ids": torch.tensor(rows_doc, dtype=torch.long),
-    }
+    else:
+        out = {
+            "input_ids": torch.tensor(rows_ids, dtype=torch.long),
+            "loss_mask": torch.tensor(rows_mask, dtype=torch.bool),
+            "doc_ids": torch.tensor(rows_doc, dtype=torch.long),
+        }
+    if return_segments:
+        out["segments"] = rows_seg
+    return out
 
 
 class PackedRows(Dataset):
@@ -293,6 +337,31 @@ class PackedRows(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {k: v[i] for k, v in self.tensors.items()}
+
+
+class CachedPackedRows(PackedRows):
+    """Packed rows plus their cached target features: `taps` `[S, n*H]` and `teacher_hidden` `[S, H]`
+    (storage dtype, zeros on padding), read per row from the teacher cache (never the whole cache)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], segments: list, cache: TeacherCache) -> None:
+        super().__init__(tensors)
+        if len(segments) != len(self):
+            raise ValueError(f"{len(segments)} segment lists for {len(self)} packed rows")
+        self.segments = segments
+        self.cache = cache
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        item = super().__getitem__(i)
+        S = int(item["input_ids"].shape[0])
+        taps = torch.zeros(S, self.cache.taps_dim, dtype=self.cache.storage_dtype)
+        hidden = torch.zeros(S, self.cache.hidden_size, dtype=self.cache.storage_dtype)
+        for src, doc_start, row_start, n in self.segments[i]:
+            t, h = self.cache.features(src, n, start=doc_start)
+            taps[row_start : row_start + n] = t
+            hidden[row_start : row_start + n] = h
+        item["taps"] = taps
+        item["teacher_hidden"] = hidden
+        return item
 
 
 class EpochShuffleSampler(Sampler[int]):
@@ -345,6 +414,15 @@ class DistillDataModule(LightningDataModule):
         pad_token_id: id written into padding (default: the tokenizer's pad id in toy mode, else 0).
         seed: document shuffling, domain re-weighting, the held-out split and the row order.
         num_workers: DataLoader workers.
+        teacher_cache: a teacher-cache folder (`teacher_cache.py`): batches then carry the target's cached
+            `taps` and `teacher_hidden` and the step does not run the target. `prepare_data` builds it
+            (or finishes an interrupted build) with the attached `DistillationModule`'s target when it is
+            missing; a cache of another target, taps, dtype or dataset is refused. Needs `dataset_path`
+            and `split_documents: false`. `None` (default): the online path.
+        teacher_cache_dtype: storage dtype of a new cache: `bfloat16` (default), `float16` or `float32`.
+        teacher_cache_shard_mb: approximate shard size of a new cache (what the builder holds in memory).
+        teacher_cache_batch_tokens: padded tokens per target forward while building.
+        teacher_cache_device: where the target runs while building (default: CUDA when available).
     """
 
     def __init__(
@@ -363,6 +441,11 @@ class DistillDataModule(LightningDataModule):
         pad_token_id: int | None = None,
         seed: int = 0,
         num_workers: int = 0,
+        teacher_cache: str | None = None,
+        teacher_cache_dtype: str = DEFAULT_STORAGE_DTYPE,
+        teacher_cache_shard_mb: float = 256.0,
+        teacher_cache_batch_tokens: int = 4096,
+        teacher_cache_device: str | None = None,
     ) -> None:
         super().__init__()
         if dataset_path is None and tokenizer_path is None:
@@ -377,6 +460,23 @@ class DistillDataModule(LightningDataModule):
             raise UserInputError(f"batch_size must be >= 1, got {batch_size}")
         if not 0.0 <= val_fraction < 1.0:
             raise UserInputError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        if teacher_cache is not None:
+            if dataset_path is None:
+                raise UserInputError(
+                    "teacher_cache needs dataset_path: the cache holds the target's features per row of a "
+                    "regenerated dataset folder"
+                )
+            if split_documents:
+                raise UserInputError(
+                    "teacher_cache needs split_documents: false (a document cut at a row boundary would get "
+                    "features computed with context that the online path does not give it)"
+                )
+            if teacher_cache_dtype not in STORAGE_DTYPES:
+                raise UserInputError(
+                    f"teacher_cache_dtype must be one of {list(STORAGE_DTYPES)}, got {teacher_cache_dtype!r}"
+                )
+            if teacher_cache_shard_mb <= 0 or teacher_cache_batch_tokens < 1:
+                raise UserInputError("teacher_cache_shard_mb must be > 0 and teacher_cache_batch_tokens >= 1")
         if toy_counts is not None:
             from data_gen.toy.splits import DOMAINS
 
@@ -398,8 +498,17 @@ class DistillDataModule(LightningDataModule):
         self.pad_token_id = pad_token_id
         self.seed = int(seed)
         self.num_workers = int(num_workers)
+        self.teacher_cache = teacher_cache
+        self.teacher_cache_dtype = teacher_cache_dtype
+        self.teacher_cache_shard_mb = float(teacher_cache_shard_mb)
+        self.teacher_cache_batch_tokens = int(teacher_cache_batch_tokens)
+        self.teacher_cache_device = teacher_cache_device
         self.train_rows: dict[str, torch.Tensor] | None = None
         self.val_rows: dict[str, torch.Tensor] | None = None
+        self.train_segments: list | None = None
+        self.val_segments: list | None = None
+        self.cache: TeacherCache | None = None
+        self._teacher: tuple | None = None
         self._resume: dict | None = None
         self._sampler: EpochShuffleSampler | None = None
 
@@ -421,19 +530,79 @@ class DistillDataModule(LightningDataModule):
         return 0
 
     def prepare_data(self) -> None:
-        """Regenerate `dataset_path` with the target when it is missing and `regenerate_config` is set.
+        """Regenerate `dataset_path` with the target when it is missing and `regenerate_config` is set;
+        then build (or finish) the teacher cache when `teacher_cache` is set.
 
         Lightning calls this on one process per node (local rank 0) before `setup` on every rank, so the
-        target generates the data once; the other ranks wait at the barrier and then read it.
+        target generates the data (and computes the cache) once; the other ranks wait at the barrier and
+        then read it.
         """
-        if self.dataset_path is None or self.regenerate_config is None or dataset_ready(self.dataset_path):
-            return
-        if Path(self.dataset_path).exists():
+        if (
+            self.dataset_path is not None
+            and self.regenerate_config is not None
+            and not dataset_ready(self.dataset_path)
+        ):
+            if Path(self.dataset_path).exists():
+                raise UserInputError(
+                    f"dataset_path {self.dataset_path!r} exists but holds no saved dataset; delete it to "
+                    "regenerate, or point dataset_path elsewhere"
+                )
+            regenerate_dataset(self.regenerate_config, self.dataset_path, self.regenerate_overrides)
+        if self.teacher_cache is not None:
+            self.build_teacher_cache()
+
+    # ------------------------------------------------------------------ teacher cache
+    def attach_teacher(self, target, target_path: str | Path) -> None:
+        """Name the target (a `TargetModel` tapping the head's layers) the cache is built from / checked
+        against, when no trainer with a `DistillationModule` is attached (scripts, benchmarks)."""
+        self._teacher = (target, str(target_path))
+
+    def _teacher_source(self) -> tuple:
+        if self._teacher is not None:
+            return self._teacher
+        trainer = getattr(self, "trainer", None)
+        module = trainer.lightning_module if trainer is not None else None
+        source = getattr(module, "teacher_source", None)
+        if source is None:
             raise UserInputError(
-                f"dataset_path {self.dataset_path!r} exists but holds no saved dataset; delete it to "
-                "regenerate, or point dataset_path elsewhere"
+                "teacher_cache: no target to build or check the cache with (attach a DistillationModule "
+                "through the Trainer, or call attach_teacher(target, target_path))"
             )
-        regenerate_dataset(self.regenerate_config, self.dataset_path, self.regenerate_overrides)
+        return source()
+
+    def expected_fingerprint(self) -> dict:
+        """The fingerprint a usable cache must carry: this dataset, the target, its taps and dtypes."""
+        target, target_path = self._teacher_source()
+        ds = open_regenerated(self.dataset_path)
+        return cache_fingerprint(
+            target_path, target.tap_layer_ids, target.dtype, self.teacher_cache_dtype, dataset_identity(ds)
+        )
+
+    def build_teacher_cache(self, progress: bool = True):
+        """Build or finish `teacher_cache` (a no-op when complete and matching); returns `BuildStats`."""
+        target, target_path = self._teacher_source()
+        device = self.teacher_cache_device
+        if device is None and torch.cuda.is_available():
+            device = "cuda"
+        rank_zero_info(f"[DistillDataModule] teacher cache {self.teacher_cache!r}: checking / building")
+        stats = build_teacher_cache(
+            self.teacher_cache,
+            target,
+            target_path,
+            open_regenerated(self.dataset_path),
+            storage_dtype=self.teacher_cache_dtype,
+            shard_mb=self.teacher_cache_shard_mb,
+            batch_tokens=self.teacher_cache_batch_tokens,
+            device=device,
+            progress=progress,
+        )
+        if stats.shards_built:
+            rank_zero_info(
+                f"[DistillDataModule] teacher cache {self.teacher_cache!r}: {stats.shards_built} of "
+                f"{stats.shards_total} shards, {stats.tokens_built} tokens in {stats.seconds:.1f} s "
+                f"({stats.tokens_per_s:.0f} tokens/s)"
+            )
+        return stats
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_rows is not None:
@@ -467,10 +636,18 @@ class DistillDataModule(LightningDataModule):
         val_docs = [docs[i] for i in sorted(val_keys)]
         rng.shuffle(train_docs)
         pad = self._pad_id()
-        self.train_rows = pack_documents(train_docs, self.seq_len, pad, self.split_documents)
-        self.val_rows = pack_documents(val_docs, self.seq_len, pad, self.split_documents)
+        cached = self.teacher_cache is not None
+        self.train_rows = pack_documents(train_docs, self.seq_len, pad, self.split_documents, cached)
+        self.val_rows = pack_documents(val_docs, self.seq_len, pad, self.split_documents, cached)
+        if cached:
+            self.train_segments = self.train_rows.pop("segments")
+            self.val_segments = self.val_rows.pop("segments")
         if self.max_val_rows is not None:
             self.val_rows = {k: v[: int(self.max_val_rows)] for k, v in self.val_rows.items()}
+            if cached:
+                self.val_segments = self.val_segments[: int(self.max_val_rows)]
+        if cached:
+            self.cache = TeacherCache(self.teacher_cache, self.expected_fingerprint())
         if len(PackedRows(self.train_rows)) == 0:
             raise UserInputError("no training rows after packing (every document went to validation)")
 
@@ -498,8 +675,13 @@ class DistillDataModule(LightningDataModule):
     def load_state_dict(self, state_dict: dict) -> None:
         self._resume = dict(state_dict) if state_dict else None
 
+    def _rows(self, tensors: dict[str, torch.Tensor], segments: list | None) -> PackedRows:
+        if self.cache is None:
+            return PackedRows(tensors)
+        return CachedPackedRows(tensors, segments, self.cache)
+
     def train_dataloader(self) -> DataLoader:
-        ds = PackedRows(self.train_rows)
+        ds = self._rows(self.train_rows, self.train_segments)
         sampler = EpochShuffleSampler(len(ds), self.seed)
         if self._resume and self._resume.get("seed", self.seed) == self.seed:
             sampler.resume_at(self._resume["epoch"], self._resume["batches_done"] * self.batch_size)
@@ -517,5 +699,8 @@ class DistillDataModule(LightningDataModule):
         if self.val_rows is None or self.val_rows["input_ids"].shape[0] == 0:
             return []
         return DataLoader(
-            PackedRows(self.val_rows), batch_size=self.batch_size, shuffle=False, num_workers=self.num_workers
+            self._rows(self.val_rows, self.val_segments),
+            batch_size=self.batch_size,
+            shuffle=False,
+            num_workers=self.num_workers,
         )

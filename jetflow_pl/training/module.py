@@ -264,6 +264,12 @@ class DistillationModule(LightningModule):
             t.to(self.device)
         return t
 
+    def teacher_source(self) -> tuple[TargetModel, str]:
+        """The target (tapping the head's layers) and its folder: what a teacher cache is built from and
+        checked against (`DistillDataModule.prepare_data` / `setup` call this)."""
+        target: TargetModel = self.__dict__["_target"]
+        return target, str(self.hparams.target_path)
+
     @property
     def num_depths(self) -> int:
         return self.head.block_size - 1
@@ -340,6 +346,8 @@ class DistillationModule(LightningModule):
             chunk_size=hp.chunk_size,
             generator=generator,
             skip_nonfinite_teacher=hp.on_nonfinite_teacher == "skip",
+            taps=batch.get("taps"),
+            teacher_hidden=batch.get("teacher_hidden"),
         )
 
     def _where(self, batch_idx: int) -> str:

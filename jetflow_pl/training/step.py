@@ -4,6 +4,11 @@
 training mask, teacher rows, labels); `distill_step` runs the two models and the loss. The Lightning
 `DistillationModule` calls `distill_step` from its `training_step` / `validation_step`.
 
+Two sources of the target's features, one step: `target_features` runs the frozen target over the packed
+batch (online); a teacher cache (`teacher_cache.py`) supplies the same tensors from disk (`taps=`,
+`teacher_hidden=`). Anchors, masks, gathering and the loss are the same code either way; the target is
+then only used for its frozen embedding and lm_head.
+
 Positions: without packing, row `t` is at position `t` and block offset `k` at `p + k` (DESIGN.md).
 With packing (`doc_ids`), positions restart at 0 in every document, for the target and the head alike,
 which is what each document sees at inference; since a block only attends inside its own document and
@@ -51,6 +56,31 @@ def target_packing_mask(doc_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tens
     visible = causal & (seg.unsqueeze(2) == seg.unsqueeze(1))
     mask = torch.zeros(visible.shape, dtype=dtype, device=seg.device)
     return mask.masked_fill(~visible, torch.finfo(dtype).min).unsqueeze(1)
+
+
+def target_features(
+    target: TargetModel,
+    input_ids: torch.Tensor,
+    doc_ids: torch.Tensor | None,
+    context_positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The online path: `(taps [B, S, n*H], final hidden [B, S, H])` of one no-grad target forward over
+    the packed batch (per-document positions and a within-document causal mask when packed)."""
+    with torch.no_grad():
+        if doc_ids is not None:
+            t_mask = target_packing_mask(doc_ids, target.dtype)
+            t_pos = context_positions
+        else:
+            t_mask = t_pos = None
+        out = target(
+            input_ids,
+            position_ids=t_pos,
+            attention_mask=t_mask,
+            logits_positions=None,
+            return_hidden=True,
+            use_cache=False,
+        )
+    return out.taps, out.hidden
 
 
 def prepare_blocks(
@@ -122,10 +152,15 @@ def distill_step(
     anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
     return_hidden: bool = False,
     skip_nonfinite_teacher: bool = False,
+    taps: torch.Tensor | None = None,
+    teacher_hidden: torch.Tensor | None = None,
 ) -> dict:
     """One distillation step on a batch `[B, S]`; returns the loss (with grad into the head) and metrics.
 
-    The target must tap the head's layers (`target.tap_layer_ids == head.target_layer_ids`).
+    The target must tap the head's layers (`target.tap_layer_ids == head.target_layer_ids`), unless the
+    features come from a teacher cache: `taps` `[B, S, n*H]` (the head's layers, in its order) and
+    `teacher_hidden` `[B, S, H]` (the final hidden state) for the same batch; then the target is not run
+    and only its embedding and lm_head are used.
     `block_size` defaults to the head's, `in_block` to its config (`causal` for a JetFlow head).
     `anchors=(anchors, valid)` overrides sampling (tests, evaluation on fixed anchors).
     `skip_nonfinite_teacher` drops loss rows whose teacher logits hold a NaN/inf (see `chunked_kl_loss`).
@@ -136,7 +171,18 @@ def distill_step(
     `teacher_hidden` (`[N, H]`), `labels` `[N]`, `depth_index` `[N]` (k-1) and `row_index` `[N, 3]`
     (batch row, anchor p, offset k) of the `N` loss rows.
     """
-    if tuple(target.tap_layer_ids) != tuple(head.target_layer_ids):
+    if (taps is None) != (teacher_hidden is None):
+        raise ValueError("cached features need both taps and teacher_hidden (or neither: the online path)")
+    B, S = input_ids.shape
+    if taps is not None:
+        H = target.hidden_size
+        want_taps, want_hidden = (B, S, len(head.target_layer_ids) * H), (B, S, H)
+        if tuple(taps.shape) != want_taps or tuple(teacher_hidden.shape) != want_hidden:
+            raise ValueError(
+                f"cached taps {tuple(taps.shape)} / teacher_hidden {tuple(teacher_hidden.shape)} must be "
+                f"{want_taps} / {want_hidden} (batch, sequence, the head's {len(head.target_layer_ids)} taps)"
+            )
+    elif tuple(target.tap_layer_ids) != tuple(head.target_layer_ids):
         raise ValueError(
             f"target taps {list(target.tap_layer_ids)} != head target_layer_ids {head.target_layer_ids}: "
             "call target.set_taps(head.target_layer_ids)"
@@ -147,7 +193,6 @@ def distill_step(
     mask_id = head.mask_token_id
     if mask_id is None:
         raise ValueError("the head has no mask_token_id (dflash_config.mask_token_id)")
-    B, S = input_ids.shape
     bb = prepare_blocks(
         input_ids,
         loss_mask,
@@ -161,26 +206,18 @@ def distill_step(
     )
     A = bb.anchors.shape[1]
 
+    if taps is None:
+        taps, teacher_hidden = target_features(target, input_ids, doc_ids, bb.context_positions)
+    else:
+        taps = taps.to(device=target.device, dtype=target.dtype)
+        teacher_hidden = teacher_hidden.to(device=target.device, dtype=target.dtype)
     with torch.no_grad():
-        if doc_ids is not None:
-            t_mask = target_packing_mask(doc_ids, target.dtype)
-            t_pos = bb.context_positions
-        else:
-            t_mask = t_pos = None
-        out = target(
-            input_ids,
-            position_ids=t_pos,
-            attention_mask=t_mask,
-            logits_positions=None,
-            return_hidden=True,
-            use_cache=False,
-        )
         block_embeds = target.embed_tokens(bb.block_ids)
 
     hidden = head(
         block_embeds,
         bb.block_positions,
-        context=out.taps,
+        context=taps,
         context_positions=bb.context_positions,
         attn_mask=bb.attn_mask,
     )
@@ -189,7 +226,7 @@ def distill_step(
     sel = bb.row_valid
     student = hidden[sel]
     t_hidden = torch.gather(
-        out.hidden, 1, bb.teacher_pos.reshape(B, -1, 1).expand(-1, -1, out.hidden.shape[-1])
+        teacher_hidden, 1, bb.teacher_pos.reshape(B, -1, 1).expand(-1, -1, teacher_hidden.shape[-1])
     ).view(B, A, bs - 1, -1)
     teacher = t_hidden[sel]
     labels = bb.labels[sel]
