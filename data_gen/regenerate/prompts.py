@@ -2,7 +2,8 @@
 
 A `source` is one of
 
-- `toy:<domain|all>:<train|heldout>:<n>[:<seed>]`: the toy prompt sets (`data_gen.toy.splits`);
+- `toy:<domain|all|d1+d2..>:<train|heldout>:<n|n1+n2..>[:<seed>]`: the toy prompt sets (`data_gen.toy.splits`),
+  one count for every domain or one per domain (`toy:math+code:train:1500+400`);
 - a local file: `.jsonl` / `.json` / `.parquet` / `.arrow` / `.csv`;
 - a `datasets.save_to_disk` folder (a `DatasetDict` folder needs `split`);
 - a Hub dataset name (only where a network exists), loaded with `datasets.load_dataset(name, split=split)`.
@@ -26,12 +27,13 @@ from typing import Literal
 import lightning as L
 import torch
 
-from data_gen.toy.tokenizer import chat_ids
+from jetflow_pl.chat import ROLES, chat_ids  # noqa: F401 - ROLES: re-exported for callers
+from jetflow_pl.chat import row_messages as chat_row_messages
 from jetflow_pl.errors import UserInputError
+from jetflow_pl.prompt_files import SUFFIXES, load_local_rows
 
 OverlongPolicy = Literal["error", "skip", "truncate"]
-ROLES = ("system", "user", "assistant", "tool")
-_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+_NO_TEMPLATE_HINT = "regeneration formats every prompt as a chat: use the chat model's own tokenizer"
 
 
 class PromptSourceError(UserInputError):
@@ -58,7 +60,7 @@ class PromptStats:
 
 # ---------------------------------------------------------------------------------------------- loading
 def _looks_like_path(source: str) -> bool:
-    return source.startswith((".", "/", "~")) or Path(source).suffix.lower() in (*_FILE_BUILDERS, ".arrow")
+    return source.startswith((".", "/", "~")) or Path(source).suffix.lower() in SUFFIXES
 
 
 def load_rows(source: str, split: str = "train") -> list[dict]:
@@ -86,75 +88,54 @@ def _toy_rows(source: str) -> list[dict]:
     from data_gen.toy.splits import DOMAINS, heldout_prompts, train_records
 
     parts = source.split(":")
+    usage = "'toy:<domain|all|d1+d2..>:<train|heldout>:<n|n1+n2..>[:<seed>]'"
     if len(parts) not in (4, 5):
-        raise PromptSourceError(
-            f"toy source must be 'toy:<domain|all>:<train|heldout>:<n>[:<seed>]', got {source!r}"
-        )
+        raise PromptSourceError(f"toy source must be {usage}, got {source!r}")
     _, domain, split, n, *seed = parts
-    domains = DOMAINS if domain == "all" else (domain,)
+    domains = DOMAINS if domain == "all" else tuple(domain.split("+"))
     if any(d not in DOMAINS for d in domains):
         raise PromptSourceError(f"toy domain must be one of {(*DOMAINS, 'all')}, got {domain!r}")
     if split not in ("train", "heldout"):
         raise PromptSourceError(f"toy split must be 'train' or 'heldout', got {split!r}")
     try:
-        n_i, seed_i = int(n), int(seed[0]) if seed else 0
+        counts = [int(c) for c in n.split("+")]
+        seed_i = int(seed[0]) if seed else 0
     except ValueError as err:
         raise PromptSourceError(f"toy source {source!r}: n and seed must be integers") from err
+    if len(counts) == 1:
+        counts = counts * len(domains)
+    if len(counts) != len(domains):
+        raise PromptSourceError(
+            f"toy source {source!r}: {len(domains)} domains but {len(counts)} counts; give one count, "
+            "or one per domain in the same order (e.g. toy:math+code:train:1500+400)"
+        )
     make = train_records if split == "train" else heldout_prompts
     rows = []
-    for d in domains:
+    for d, n_i in zip(domains, counts, strict=True):
         for i, r in enumerate(make(d, n_i, seed_i)):
             rows.append({"id": f"{d}-{split}-{seed_i}-{i}", "domain": d, "prompt": r["prompt"]})
     return rows
 
 
 def _local_rows(path: Path, split: str) -> list[dict]:
-    import datasets
-
+    """`jetflow_pl.prompt_files.load_local_rows`, its one-line errors as `PromptSourceError`."""
     try:
-        if path.is_dir():
-            if not any((path / f).exists() for f in ("dataset_info.json", "state.json", "dataset_dict.json")):
-                raise PromptSourceError(
-                    f"{path} is a folder but not a datasets.save_to_disk folder (no dataset_info.json, "
-                    "state.json or dataset_dict.json)"
-                )
-            ds = datasets.load_from_disk(str(path))
-            if isinstance(ds, datasets.DatasetDict):
-                if split not in ds:
-                    raise PromptSourceError(
-                        f"{path} has splits {sorted(ds)}, not the configured split {split!r}"
-                    )
-                ds = ds[split]
-        else:
-            suffix = path.suffix.lower()
-            if suffix == ".arrow":
-                ds = datasets.Dataset.from_file(str(path))
-            elif suffix in _FILE_BUILDERS:
-                if path.stat().st_size == 0:
-                    raise PromptSourceError(f"prompt source {path} is empty: it holds no rows")
-                ds = datasets.load_dataset(_FILE_BUILDERS[suffix], data_files=str(path), split="train")
-            else:
-                raise PromptSourceError(
-                    f"unsupported prompt file type {suffix!r} for {path}: use .jsonl, .json, .parquet, "
-                    ".arrow, .csv or a datasets.save_to_disk folder"
-                )
-    except PromptSourceError:
-        raise
-    except Exception as err:
-        raise PromptSourceError(f"cannot read prompt source {path}: {type(err).__name__}: {err}") from err
-    return list(ds)
+        return load_local_rows(path, split)
+    except UserInputError as err:
+        raise PromptSourceError(str(err)) from err
 
 
 # ---------------------------------------------------------------------------------------------- formatting
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Ids of `messages` under the tokenizer's chat template with an opened assistant turn.
 
-    Checks for a template (a user error when missing), then formats with `data_gen.toy.tokenizer.chat_ids`,
-    the same code `prompt_ids` uses for a single user message.
+    `jetflow_pl.chat.chat_ids` (the one implementation, also behind the toy `prompt_ids`); a tokenizer
+    without a chat template is a `PromptSourceError`.
     """
-    if not getattr(tokenizer, "chat_template", None):
-        raise PromptSourceError("the tokenizer has no chat template: prompts cannot be chat-formatted")
-    return chat_ids(tokenizer, messages)
+    try:
+        return chat_ids(tokenizer, messages, hint=_NO_TEMPLATE_HINT)
+    except UserInputError as err:
+        raise PromptSourceError(str(err)) from err
 
 
 def _where(i: int, row: dict, id_field: str) -> str:
@@ -165,41 +146,12 @@ def _where(i: int, row: dict, id_field: str) -> str:
 def row_messages(
     row: dict, i: int, prompt_field: str, messages_field: str, id_field: str, system_prompt: str | None
 ) -> list[dict]:
-    """The chat to format for one row: the prompt (single-turn) or the chat minus a final assistant turn."""
-    where = _where(i, row, id_field)
-    msgs = row.get(messages_field)
-    if msgs is not None:
-        if not isinstance(msgs, (list, tuple)) or not msgs:
-            raise PromptSourceError(
-                f"{where}: malformed chat: '{messages_field}' must be a non-empty list of "
-                f"{{'role', 'content'}} messages, got {type(msgs).__name__}"
-            )
-        out = []
-        for j, m in enumerate(msgs):
-            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                raise PromptSourceError(
-                    f"{where}: malformed chat: message {j} must be {{'role': one of {ROLES}, 'content': str}}, "
-                    f"got {m!r}"[:400]
-                )
-            out.append({"role": m["role"], "content": m["content"]})
-        if out[-1]["role"] == "assistant":
-            out = out[:-1]  # regenerate the last assistant turn
-        if not out or out[-1]["role"] not in ("user", "tool"):
-            raise PromptSourceError(
-                f"{where}: malformed chat: after dropping a final assistant turn the chat must end with a "
-                "user (or tool) message"
-            )
-        if system_prompt and out[0]["role"] != "system":
-            out = [{"role": "system", "content": system_prompt}, *out]
-        return out
-    prompt = row.get(prompt_field)
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise PromptSourceError(
-            f"{where} has no '{prompt_field}' field (or it is empty / not a string) and no "
-            f"'{messages_field}' chat: set prompt_field or messages_field to the column holding the prompt"
-        )
-    msgs = [{"role": "user", "content": prompt}]
-    return [{"role": "system", "content": system_prompt}, *msgs] if system_prompt else msgs
+    """The chat to format for one row: the prompt (single-turn) or the chat minus a final assistant turn
+    (`jetflow_pl.chat.row_messages`, its errors as `PromptSourceError`)."""
+    try:
+        return chat_row_messages(row, _where(i, row, id_field), prompt_field, messages_field, system_prompt)
+    except UserInputError as err:
+        raise PromptSourceError(str(err)) from err
 
 
 def build_items(

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import os
 
+# chat formatting is the library's (one implementation for every stage); re-exported for toy callers
+from jetflow_pl.chat import chat_ids, prompt_ids  # noqa: F401
+
 PAD, EOS, MASK, IM_START, IM_END = "<|pad|>", "<|endoftext|>", "<|mask|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [PAD, EOS, MASK, IM_START, IM_END]
 
@@ -93,17 +96,6 @@ def mask_token_id(tokenizer) -> int:
     if tid is None or tid == tokenizer.unk_token_id:
         raise ValueError("tokenizer has no <|mask|> token")
     return int(tid)
-
-
-def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of `messages` under the chat template, ending with an opened assistant turn."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def prompt_ids(tokenizer, prompt: str) -> list[int]:
-    """Token ids of the chat-formatted prompt: user turn + assistant generation prompt."""
-    return chat_ids(tokenizer, [{"role": "user", "content": prompt}])
 
 
 def format_example(tokenizer, prompt: str, response: str) -> tuple[list[int], list[bool]]:

@@ -25,6 +25,8 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
+from jetflow_pl.errors import UserInputError
+
 
 @contextmanager
 def full_head_params(trainer: Trainer) -> Iterator[None]:
@@ -56,15 +58,22 @@ def _log_value(trainer: Trainer, name: str, value: float) -> None:
 class AcceptanceLengthCallback(Callback):
     """Real acceptance length (`val/tau`) of speculative decoding on held-out prompts.
 
+    The prompts come from a file, so any tokenizer works (the target's own, with its chat template):
+    `prompts_file` is a `.jsonl` / `.json` / `.parquet` / `.arrow` / `.csv` file or a `datasets` folder
+    whose rows carry `prompt_field` (a string) or `messages_field` (a chat); each is chat-formatted with
+    the target tokenizer (`jetflow_pl.chat`), or tokenized raw with `chat_template: false`. The toy
+    held-out sets ship as `data_gen/toy/assets/heldout_prompts/<domain>.jsonl`.
+
     Args:
         every_n_steps: measure after every `every_n_steps` optimizer steps (0 = only at the end).
         budget, width: draft tree budget (root excluded) and fan-out.
-        num_prompts: held-out prompts (`data_gen.toy.splits.heldout_prompts(domain, n, seed)`).
+        prompts_file: the held-out prompts (see above).
+        num_prompts: use the first `num_prompts` rows (None = all).
         max_new_tokens: tokens generated per prompt.
-        domain: toy domain of the prompts (`math`, `code`, `prose`).
         tokenizer_path: tokenizer folder (default: the module's `target_path`).
-        prompt_token_ids: explicit prompts as token id lists (then no tokenizer is needed).
-        seed: prompt-set seed.
+        chat_template: format prompts with the tokenizer's chat template (default) or tokenize them raw.
+        prompt_field, messages_field, split: where the prompt is in a row; the split of a `DatasetDict`.
+        prompt_token_ids: explicit prompts as token id lists instead of a file (then no tokenizer is needed).
         at_train_end: also measure once when training ends.
         metric_name: the logged name.
     """
@@ -74,12 +83,15 @@ class AcceptanceLengthCallback(Callback):
         every_n_steps: int = 200,
         budget: int = 64,
         width: int = 4,
-        num_prompts: int = 20,
+        prompts_file: str | None = None,
+        num_prompts: int | None = None,
         max_new_tokens: int = 128,
-        domain: str = "math",
         tokenizer_path: str | None = None,
+        chat_template: bool = True,
+        prompt_field: str = "prompt",
+        messages_field: str = "messages",
+        split: str = "train",
         prompt_token_ids: list[list[int]] | None = None,
-        seed: int = 0,
         at_train_end: bool = True,
         metric_name: str = "val/tau",
     ) -> None:
@@ -87,17 +99,25 @@ class AcceptanceLengthCallback(Callback):
             raise ValueError(f"every_n_steps must be >= 0, got {every_n_steps}")
         if budget < 1 or width < 1 or max_new_tokens < 1:
             raise ValueError("budget, width and max_new_tokens must be >= 1")
-        if prompt_token_ids is None and num_prompts < 1:
+        if num_prompts is not None and num_prompts < 1:
             raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+        if (prompts_file is None) == (prompt_token_ids is None):
+            raise UserInputError(
+                "AcceptanceLengthCallback needs exactly one of prompts_file (a jsonl/datasets file of "
+                "held-out prompts, e.g. data_gen/toy/assets/heldout_prompts/math.jsonl) or prompt_token_ids"
+            )
         self.every_n_steps = int(every_n_steps)
         self.budget = int(budget)
         self.width = int(width)
-        self.num_prompts = int(num_prompts)
+        self.prompts_file = prompts_file
+        self.num_prompts = None if num_prompts is None else int(num_prompts)
         self.max_new_tokens = int(max_new_tokens)
-        self.domain = domain
         self.tokenizer_path = tokenizer_path
+        self.chat_template = bool(chat_template)
+        self.prompt_field = prompt_field
+        self.messages_field = messages_field
+        self.split = split
         self.prompt_token_ids = prompt_token_ids
-        self.seed = int(seed)
         self.at_train_end = bool(at_train_end)
         self.metric_name = metric_name
         self._prompts: list[list[int]] | None = None
@@ -106,28 +126,48 @@ class AcceptanceLengthCallback(Callback):
         self.history: list[dict] = []
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        """Import the decoder now, so a broken install fails before training instead of at the first
-        measurement (hundreds of steps in, with nothing checkpointed yet)."""
+        """Import the decoder and read the prompts now, so a broken install or a bad prompt file fails
+        before training instead of at the first measurement (hundreds of steps in, nothing saved yet)."""
         import jetflow_pl.decoding  # noqa: F401
         import jetflow_pl.decoding.torch_backend  # noqa: F401
+
+        if stage == "fit":
+            self._load_prompts(pl_module)
 
     # ------------------------------------------------------------------ prompts
     def _load_prompts(self, pl_module: LightningModule) -> list[list[int]]:
         if self._prompts is not None:
             return self._prompts
         if self.prompt_token_ids is not None:
-            self._prompts = [list(map(int, p)) for p in self.prompt_token_ids]
+            self._prompts = [list(map(int, p)) for p in self.prompt_token_ids][: self.num_prompts]
             self._eos = getattr(pl_module.target.config, "eos_token_id", None)
             return self._prompts
         from transformers import AutoTokenizer
 
-        from data_gen.toy.splits import heldout_prompts
-        from data_gen.toy.tokenizer import prompt_ids
+        from jetflow_pl.chat import encode_prompt, row_messages
+        from jetflow_pl.prompt_files import load_local_rows
 
+        rows = load_local_rows(self.prompts_file, self.split)[: self.num_prompts]
+        if not rows:
+            raise UserInputError(f"AcceptanceLengthCallback: prompts_file {self.prompts_file} holds no rows")
         path = self.tokenizer_path or pl_module.hparams.target_path
-        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-        recs = heldout_prompts(self.domain, self.num_prompts, self.seed)
-        self._prompts = [prompt_ids(tok, r["prompt"]) for r in recs]
+        try:
+            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise UserInputError(
+                f"AcceptanceLengthCallback: cannot load a tokenizer from {path}: {err}"
+            ) from err
+        prompts = []
+        for i, row in enumerate(rows):
+            where = f"{self.prompts_file} row {i}"
+            msgs = row_messages(row, where, self.prompt_field, self.messages_field)
+            if self.chat_template:
+                prompts.append(encode_prompt(tok, msgs, chat=True))
+            elif len(msgs) == 1:
+                prompts.append(encode_prompt(tok, msgs[0]["content"], chat=False))
+            else:
+                raise UserInputError(f"{where}: a multi-turn chat needs chat_template: true")
+        self._prompts = prompts
         self._eos = tok.eos_token_id
         return self._prompts
 
@@ -170,7 +210,7 @@ class AcceptanceLengthCallback(Callback):
         _log_value(trainer, self.metric_name, stats["tau"])
         rank_zero_info(
             f"[{self.metric_name}] step {trainer.global_step}: tau {stats['tau']:.3f} "
-            f"(budget {self.budget}, width {self.width}, {len(self._prompts)} {self.domain} prompts, "
+            f"(budget {self.budget}, width {self.width}, {len(self._prompts)} prompts, "
             f"{stats['rounds']} rounds, {stats['seconds']:.1f}s)"
         )
         for cb in trainer.callbacks:
