@@ -2,6 +2,10 @@
 
 `SpeculativeGenerator` runs over any `DecodeBackend`. With `budget=0` the tree is the root alone, which
 is exactly autoregressive decoding on the same backend and cache code: `ARGenerator` is that baseline.
+The budget of each round comes from a `BudgetPolicy` (`budget.py`): a fixed number, or `"auto"`, which
+picks per round from this machine's cost profile and the head's acceptance so far and drops to budget 0
+(no draft forward) where drafting cannot pay. Whatever the budget, every committed token is the target's
+own choice, so the output is the same in every mode (lossless).
 """
 
 from __future__ import annotations
@@ -13,6 +17,13 @@ from dataclasses import dataclass, field
 import torch
 
 from jetflow_pl.decoding.backend import DecodeBackend
+from jetflow_pl.decoding.budget import (
+    LADDER_BUDGETS,
+    AcceptanceStats,
+    BudgetPolicy,
+    FixedBudget,
+    resolve_budget,
+)
 from jetflow_pl.decoding.sampling import SamplingConfig, choose_token, processed_probs
 from jetflow_pl.errors import NumericalError, UserInputError
 from jetflow_pl.tree import (
@@ -64,6 +75,8 @@ class GenerationResult:
 
     tokens: list[int]
     accept_lengths: list[int] = field(default_factory=list)
+    #: the draft budget each round was played at (same length as accept_lengths)
+    budgets: list[int] = field(default_factory=list)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     finish_reason: str = "length"
@@ -87,17 +100,21 @@ class GenerationResult:
 class SpeculativeGenerator:
     """Lossless tree speculative decoding for one sequence at a time.
 
-    budget: draft tokens per tree (root excluded); 0 means plain autoregressive decoding.
+    budget: draft tokens per tree (root excluded); 0 means plain autoregressive decoding. `"auto"` (an
+        `AutoBudget` with this machine's cached cost profile) or any `BudgetPolicy` chooses it per round.
     width: children per expanded node (1 = a chain); `policy` may cap it per depth.
     refine_factor: 0 = off (default). k >= 2 = branch-conditioned refinement: build a candidate tree of
         `k * budget` draft tokens, re-score every node on its own path with one more head forward under
-        the tree-causal mask (`backend.refine`), and verify the best `budget` of them.
+        the tree-causal mask (`backend.refine`), and verify the best `budget` of them (fixed budgets only).
+
+    `acceptance` accumulates, over every generation, the accept length each round would have had at
+    each ladder budget up to the one played (`AcceptanceStats`): the data of an acceptance profile.
     """
 
     def __init__(
         self,
         backend: DecodeBackend,
-        budget: int = 64,
+        budget: int | str | BudgetPolicy = 64,
         width: int = 4,
         policy: FanoutPolicy | None = None,
         eos_token_id: int | Sequence[int] | None = None,
@@ -105,21 +122,28 @@ class SpeculativeGenerator:
     ) -> None:
         if refine_factor != 0 and refine_factor < 2:
             raise ValueError(f"refine_factor must be 0 (off) or >= 2, got {refine_factor}")
-        if budget < 0:
-            raise UserInputError(f"budget must be >= 0, got {budget}")
+        budget_policy = resolve_budget(budget)
+        if refine_factor and not isinstance(budget_policy, FixedBudget):
+            raise UserInputError(
+                "refine_factor needs a fixed budget: a refined tree is a selection, not a prefix of a larger "
+                "tree, which is what budget='auto' learns from"
+            )
+        top = budget_policy.max_budget
         limit = max_budget(backend)
-        if max(budget, refine_factor * budget) > limit:
-            what = f"budget {budget}" + (f" x refine_factor {refine_factor}" if refine_factor else "")
+        if top is not None and max(top, refine_factor * top) > limit:
+            what = f"budget {top}" + (f" x refine_factor {refine_factor}" if refine_factor else "")
             raise UserInputError(
                 f"{what} exceeds this backend's limit of {limit} draft tokens per tree "
                 f"({type(backend).__name__}); use a budget <= {limit // max(refine_factor, 1)}"
             )
         if width < 1:
             raise UserInputError(f"width must be >= 1, got {width}")
-        if budget > 0 and backend.block_size < 2:
+        if top is not None and top > 0 and backend.block_size < 2:
             raise UserInputError("a draft budget needs a backend with a draft head (block_size >= 2)")
         self.backend = backend
-        self.budget = budget
+        self.budget = budget_policy.budget if isinstance(budget_policy, FixedBudget) else budget
+        self.budget_policy = budget_policy
+        self.acceptance = AcceptanceStats([k for k in LADDER_BUDGETS if k <= limit])
         self.width = width
         self.policy = policy
         self.refine_factor = refine_factor
@@ -131,10 +155,10 @@ class SpeculativeGenerator:
         else:
             self.eos_ids = frozenset(int(t) for t in eos_token_id)
 
-    def _next_tree(self, anchor: int) -> DraftTree:
+    def _next_tree(self, anchor: int, budget: int) -> DraftTree:
         # the anchor sits at `past_len`; a depth-d node at `past_len + d` must stay inside the context
         max_depth = self.backend.max_positions - 1 - self.backend.past_len
-        if self.budget == 0 or max_depth < 1:
+        if budget == 0 or max_depth < 1:
             return DraftTree.chain([anchor])
         depth_logprobs = self.backend.draft(anchor)[:max_depth]
         # NaN here means the head overflowed (fp16 is the usual cause); build_tree would refuse it too,
@@ -147,18 +171,16 @@ class SpeculativeGenerator:
             "(or bfloat16 instead of float16) or check the head's weights",
         )
         if not self.refine_factor:
-            return build_tree(
-                depth_logprobs, anchor, self.budget, self.width, self.policy, self.score_quantum
-            )
+            return build_tree(depth_logprobs, anchor, budget, self.width, self.policy, self.score_quantum)
         candidates = build_tree(
             depth_logprobs,
             anchor,
-            self.refine_factor * self.budget,
+            self.refine_factor * budget,
             self.width,
             self.policy,
             self.score_quantum,
         )
-        return rescore_and_select(candidates, self.backend.refine(candidates), self.budget)
+        return rescore_and_select(candidates, self.backend.refine(candidates), budget)
 
     @torch.no_grad()
     def generate(
@@ -198,6 +220,8 @@ class SpeculativeGenerator:
         if max_new_tokens == 0:
             return GenerationResult(tokens=[])
         gen = None if sampling.greedy else sampling.make_generator()
+        # may measure this machine's cost profile once (budget="auto"): before the clock starts
+        self.budget_policy.start(self.backend)
 
         t0 = time.perf_counter()
         logits = self.backend.prefill(prompt)
@@ -208,7 +232,8 @@ class SpeculativeGenerator:
         if token in self.eos_ids:
             result.finish_reason = "eos"
         while result.finish_reason != "eos" and len(result.tokens) < max_new_tokens:
-            tree = self._next_tree(token)
+            budget = self.budget_policy.choose()
+            tree = self._next_tree(token, budget)
             logits = self.backend.verify(tree)
             # argmax over NaN picks garbage silently: a lossless decoder must refuse instead
             _check_finite(logits, "the target", f"logits at position {self.backend.past_len}", _TARGET_ADVICE)
@@ -217,7 +242,11 @@ class SpeculativeGenerator:
             else:
                 accepted, token = accept_sampling(tree, processed_probs(logits, sampling), gen)
             self.backend.commit(accepted)
+            self.budget_policy.observe(tree, accepted)
+            if not self.refine_factor:  # a refined tree is not a prefix tree (see budget.py)
+                self.acceptance.observe(accepted, tree.budget)
             result.accept_lengths.append(len(accepted))
+            result.budgets.append(budget)
             for new in [*tree.tokens[accepted[1:]].tolist(), token]:
                 result.tokens.append(int(new))
                 if new in self.eos_ids:

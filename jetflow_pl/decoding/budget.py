@@ -1,0 +1,410 @@
+"""Choosing the draft budget of each round: a fixed number, or `auto` from what rounds cost and yield.
+
+Speed at budget k is tau(k) / cost(k): expected tokens per round over the round's cost in AR steps
+(`cost_profile.CostProfile.cost`: t(k+1)/t(1) + draft/t(1); cost(0) = 1, tau(0) = 1, so AR scores 1).
+`AutoBudget` plays the k that maximizes it and plays 0 (plain AR: no draft forward at all) when no k
+is expected to beat AR, so `auto` is never expected to be slower than AR.
+
+Learning tau(k) costs nothing extra because of how trees are built (`tree.build_tree`): nodes are
+inserted best-first, each parent before its children, and building stops the moment the budget is
+reached, so the first k+1 nodes of a budget-K tree ARE the budget-k tree (same nodes, same order; the
+depth cap `min(D, k)` never bites inside them because a node at depth d has d ancestors before it).
+An acceptance walk moves along increasing node ids, and at each node it takes the first child (in
+node order) carrying the target's token; in the budget-k prefix the children of a node are a prefix
+of its children. So the walk on the budget-k tree is the walk on the budget-K tree cut at the first
+node id > k, and one verified round at budget K tells the accept length of every budget k <= K
+(`accept_length_at`). That holds for greedy acceptance and, drawing the same tokens, for sampling.
+It does not hold for branch-conditioned refinement (a refined tree is a selection, not a prefix), so
+`auto` refuses `refine_factor`.
+
+The estimate of tau(k) is per generation: the mean accept length at k over this generation's rounds,
+shrunk toward a prior (`AcceptanceProfile`, e.g. a calibration file saved beside the head) with
+`prior_weight` pseudo-rounds. Without a prior the first `probe_rounds` rounds use a probe budget (the
+largest one costing at most `probe_cost` AR steps) to learn the profile. Budgets above the current
+choice are never observed by playing it, so their estimates could go stale: every `explore_every`
+rounds the next larger candidate is played once if its estimate is within `explore_margin` of the best;
+the interval doubles (to `max_explore_every`) while exploring does not change the choice.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from bisect import bisect_right
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from itertools import pairwise
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from jetflow_pl.decoding.backend import DecodeBackend
+from jetflow_pl.decoding.cost_profile import LADDER_NODES, CostProfile, cost_profile_for
+from jetflow_pl.errors import UserInputError
+from jetflow_pl.tree import DraftTree
+
+#: the budgets `auto` chooses among (capped by the backend and the cost profile): 0, 1, 2, 4, ..., 256
+LADDER_BUDGETS = tuple(n - 1 for n in LADDER_NODES)
+ACCEPTANCE_PROFILE_VERSION = 1
+#: file name of an acceptance profile saved beside a head (`generate` reads it as the prior)
+ACCEPTANCE_PROFILE_FILE = "acceptance_profile.json"
+
+
+def accept_length_at(accepted: Sequence[int], budget: int) -> int:
+    """Tokens the round would have committed (accepted + 1) had its tree held only the first `budget + 1`
+    nodes: 1 + the accepted node ids <= budget (the ids increase along the path; see the module doc)."""
+    return bisect_right(accepted, budget)
+
+
+# --------------------------------------------------------------------------------------------------
+# acceptance: observed and prior
+# --------------------------------------------------------------------------------------------------
+
+
+class AcceptanceStats:
+    """Sums and counts of per-round accept lengths at each of `budgets` (the counterfactual ones too)."""
+
+    def __init__(self, budgets: Sequence[int] = LADDER_BUDGETS) -> None:
+        self.budgets = tuple(sorted(set(int(k) for k in budgets)))
+        self.sums = [0.0] * len(self.budgets)
+        self.counts = [0] * len(self.budgets)
+
+    def observe(self, accepted: Sequence[int], tree_budget: int) -> None:
+        """Record one verified round: `accepted` node ids (root first) of a tree of `tree_budget` drafts."""
+        for i, k in enumerate(self.budgets):
+            if k > tree_budget:
+                break
+            self.sums[i] += accept_length_at(accepted, k)
+            self.counts[i] += 1
+
+    def mean(self, budget: int) -> float | None:
+        """Mean accept length at `budget` (None if never observed)."""
+        i = self.budgets.index(budget)
+        return self.sums[i] / self.counts[i] if self.counts[i] else None
+
+    def count(self, budget: int) -> int:
+        return self.counts[self.budgets.index(budget)]
+
+    def to_profile(self, width: int, **meta: Any) -> AcceptanceProfile:
+        """The observed budgets as an `AcceptanceProfile` (e.g. to save as the next run's prior)."""
+        seen = [i for i, c in enumerate(self.counts) if c]
+        if not seen:
+            raise ValueError("no round was observed: nothing to build an acceptance profile from")
+        return AcceptanceProfile(
+            budgets=[self.budgets[i] for i in seen],
+            tau=[self.sums[i] / self.counts[i] for i in seen],
+            rounds=[self.counts[i] for i in seen],
+            width=int(width),
+            **meta,
+        )
+
+
+@dataclass
+class AcceptanceProfile:
+    """Expected tokens per round tau(k) of a head at a few budgets k (the prior of `AutoBudget`).
+
+    `at(k)` between measured budgets is the value at the largest measured budget <= k: tau is
+    non-decreasing in k, so that is a lower bound and never makes an unmeasured budget look better.
+    """
+
+    budgets: list[int]
+    tau: list[float]
+    rounds: list[int]
+    width: int
+    head: str = ""
+    note: str = ""
+    version: int = ACCEPTANCE_PROFILE_VERSION
+    source: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.budgets or not (len(self.budgets) == len(self.tau) == len(self.rounds)):
+            raise UserInputError("an acceptance profile needs matching, non-empty budgets, tau and rounds")
+        if any(b <= a for a, b in pairwise(self.budgets)):
+            raise UserInputError(f"acceptance profile budgets must increase, got {self.budgets}")
+        for k, t in zip(self.budgets, self.tau, strict=True):
+            if not (math.isfinite(t) and 1.0 <= t <= k + 1 + 1e-9):
+                raise UserInputError(f"acceptance profile tau({k}) = {t} is outside [1, {k + 1}]")
+
+    def at(self, budget: int) -> float:
+        i = bisect_right(self.budgets, budget) - 1
+        return 1.0 if i < 0 else float(self.tau[i])
+
+    def rounds_at(self, budget: int) -> int:
+        i = bisect_right(self.budgets, budget) - 1
+        return 0 if i < 0 else int(self.rounds[i])
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("source")
+        return d
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> AcceptanceProfile:
+        path = Path(path)
+        if not path.is_file():
+            raise UserInputError(f"acceptance profile {path} does not exist")
+        try:
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict):
+                raise TypeError("not a JSON object")
+            if data.get("version") != ACCEPTANCE_PROFILE_VERSION:
+                raise ValueError(f"version {data.get('version')!r}, expected {ACCEPTANCE_PROFILE_VERSION}")
+            prof = cls(**data)
+        except UserInputError as err:
+            raise UserInputError(f"acceptance profile {path}: {err}") from err
+        except (OSError, ValueError, TypeError) as err:
+            raise UserInputError(f"acceptance profile {path} is not readable ({err})") from err
+        prof.source = str(path)
+        return prof
+
+
+# --------------------------------------------------------------------------------------------------
+# policies
+# --------------------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class BudgetPolicy(Protocol):
+    """Picks the draft budget of each round of one generation (`SpeculativeGenerator(budget=policy)`).
+
+    `max_budget`: the largest budget it may pick, checked against the backend up front (None: it caps
+    itself in `start`). `start` runs once per generation, after the prompt is validated and before the
+    prefill (it may use the backend, e.g. to measure costs); `choose` gives the next round's budget;
+    `observe` gets the verified tree and the accepted node ids (root first).
+    """
+
+    max_budget: int | None
+
+    def start(self, backend: DecodeBackend) -> None: ...
+
+    def choose(self) -> int: ...
+
+    def observe(self, tree: DraftTree, accepted: Sequence[int]) -> None: ...
+
+
+@dataclass
+class FixedBudget:
+    """The same budget every round (0 = autoregressive)."""
+
+    budget: int
+
+    def __post_init__(self) -> None:
+        if int(self.budget) < 0:
+            raise UserInputError(f"budget must be >= 0, got {self.budget}")
+        self.budget = int(self.budget)
+
+    @property
+    def max_budget(self) -> int:
+        return self.budget
+
+    def start(self, backend: DecodeBackend) -> None:
+        pass
+
+    def choose(self) -> int:
+        return self.budget
+
+    def observe(self, tree: DraftTree, accepted: Sequence[int]) -> None:
+        pass
+
+
+class AutoBudget:
+    """Per round, the budget with the best expected tau(k) / cost(k); 0 when none beats AR (module doc).
+
+    Args:
+        cost: a measured `CostProfile`; None = `cost_profile_for(backend, cost_profile_path, cache_dir)`
+            at the first `start` (cached per machine and model; measured once when absent).
+        prior: the head's `AcceptanceProfile` (None: probe first, see `probe_rounds`).
+        prior_weight: pseudo-rounds the prior counts for (at most the rounds it was measured on).
+        probe_rounds, probe_cost: without a prior, the first rounds play the largest budget costing at
+            most `probe_cost` AR steps.
+        explore_every, max_explore_every, explore_margin: re-exploring the next larger budget.
+        min_gain: a budget must be expected to beat AR by this factor to be played instead of AR (the
+            margin covers timing noise in the cost profile).
+        cap: never choose more than this (None: the cost profile's ladder, capped by the backend).
+
+    `max_budget` (the `BudgetPolicy` attribute) is None: the candidates are capped by the backend in
+    `start`, so no budget this policy picks can exceed the backend's limit.
+    """
+
+    max_budget = None
+
+    def __init__(
+        self,
+        cost: CostProfile | None = None,
+        prior: AcceptanceProfile | None = None,
+        *,
+        cost_profile_path: str | Path | None = None,
+        cache_dir: str | Path | None = None,
+        prior_weight: float = 8.0,
+        probe_rounds: int = 2,
+        probe_cost: float = 4.0,
+        explore_every: int = 4,
+        max_explore_every: int = 64,
+        explore_margin: float = 0.25,
+        min_gain: float = 1.05,
+        cap: int | None = None,
+    ) -> None:
+        if prior_weight < 0 or probe_rounds < 0 or probe_cost < 1 or explore_every < 1:
+            raise ValueError("prior_weight, probe_rounds >= 0; probe_cost, explore_every >= 1")
+        if not 0 <= explore_margin < 1 or min_gain < 1:
+            raise ValueError("explore_margin must be in [0, 1) and min_gain >= 1")
+        self.cost = cost
+        self.prior = prior
+        self.cost_profile_path = cost_profile_path
+        self.cache_dir = cache_dir
+        self.prior_weight = float(prior_weight)
+        self.probe_rounds = int(probe_rounds)
+        self.probe_cost = float(probe_cost)
+        self.explore_every = int(explore_every)
+        self.max_explore_every = max(int(max_explore_every), self.explore_every)
+        self.explore_margin = float(explore_margin)
+        self.min_gain = float(min_gain)
+        self.cap = cap
+        self.candidates: list[int] = [0]
+        self.stats = AcceptanceStats([0])
+        self._resolved_for: int | None = None
+        self._reset_generation()
+
+    # ---- per generation ---------------------------------------------------------------------------
+    def _reset_generation(self) -> None:
+        self._round = 0
+        # the prior stands for a recent look at every budget: the first exploration waits an interval
+        self._last_seen = {k: 0 for k in self.candidates}
+        self._interval = self.explore_every
+        self._probes_left = self.probe_rounds if self.prior is None else 0
+        self._explored_from: int | None = None
+        self._last_choice = 0
+
+    def start(self, backend: DecodeBackend) -> None:
+        """Resolve the cost profile for `backend` (first time only), fix the candidates, reset estimates."""
+        from jetflow_pl.decoding.generator import max_budget
+
+        # a profile given by the caller is used as given; one resolved here belongs to that backend
+        if self.cost is None or (self._resolved_for is not None and self._resolved_for != id(backend)):
+            self.cost = cost_profile_for(backend, self.cost_profile_path, self.cache_dir)
+            self._resolved_for = id(backend)
+        limit = max_budget(backend)
+        if self.cap is not None:
+            limit = min(limit, int(self.cap))
+        can_draft = backend.block_size >= 2
+        self.candidates = [k for k in self.cost.budgets if k == 0 or (can_draft and k <= limit)]
+        self.stats = AcceptanceStats(self.candidates)
+        self._reset_generation()
+
+    # ---- estimates --------------------------------------------------------------------------------
+    def estimates(self) -> dict[int, float]:
+        """Current tau(k) for every candidate: observations shrunk toward the prior, made non-decreasing
+        in k (a larger tree contains the smaller one, so its expected accept length cannot be lower)."""
+        out: dict[int, float] = {}
+        best_so_far = 1.0
+        for k in self.candidates:
+            n, mean = self.stats.count(k), self.stats.mean(k)
+            if k == 0:
+                est = 1.0
+            elif self.prior is not None:
+                w = min(self.prior_weight, float(self.prior.rounds_at(k)))
+                s = (mean or 0.0) * n
+                est = (w * self.prior.at(k) + s) / (w + n) if w + n > 0 else 1.0
+            else:
+                est = mean if mean is not None else best_so_far
+            best_so_far = max(best_so_far, est)
+            out[k] = best_so_far
+        return out
+
+    def speeds(self) -> dict[int, float]:
+        """Expected speed of every candidate in AR tokens per AR step (AR itself: 1)."""
+        assert self.cost is not None, "call start(backend) first"
+        return {k: tau / self.cost.cost(k) for k, tau in self.estimates().items()}
+
+    def best(self) -> int:
+        """The candidate with the highest expected speed (ties: the smaller budget); 0 unless some budget
+        beats AR by `min_gain`."""
+        speeds = self.speeds()
+        best, best_speed = 0, self.min_gain
+        for k, v in speeds.items():
+            if k and v > best_speed:
+                best, best_speed = k, v
+        return best
+
+    def probe_budget(self) -> int:
+        """The largest candidate whose round costs at most `probe_cost` AR steps (0 if none)."""
+        assert self.cost is not None
+        ok = [k for k in self.candidates if k and self.cost.cost(k) <= self.probe_cost]
+        return max(ok) if ok else 0
+
+    # ---- the policy -------------------------------------------------------------------------------
+    def choose(self) -> int:
+        if self.cost is None:
+            raise RuntimeError("AutoBudget.choose() before start(backend)")
+        self._explored_from = None
+        self._last_choice = self._pick()
+        return self._last_choice
+
+    def _pick(self) -> int:
+        if self._probes_left > 0:
+            self._probes_left -= 1
+            return self.probe_budget()
+        best = self.best()
+        above = [k for k in self.candidates if k > best]
+        if above:
+            up = above[0]
+            speeds = self.speeds()
+            due = self._round - self._last_seen[up] >= self._interval
+            if due and speeds[up] >= (1.0 - self.explore_margin) * max(speeds[best], 1.0):
+                self._explored_from = best
+                return up
+        return best
+
+    def observe(self, tree: DraftTree, accepted: Sequence[int]) -> None:
+        self.stats.observe(accepted, tree.budget)
+        # a budget counts as visited when it was played even if the tree came out smaller (near the end
+        # of the context): otherwise an exploration that cannot happen would be retried every round
+        visited = max(tree.budget, self._last_choice)
+        for k in self.candidates:
+            if k <= visited:
+                self._last_seen[k] = self._round
+        if self._explored_from is not None:
+            changed = self.best() != self._explored_from
+            self._interval = (
+                self.explore_every if changed else min(2 * self._interval, self.max_explore_every)
+            )
+        self._round += 1
+
+    # ---- reporting --------------------------------------------------------------------------------
+    def predicted_speedup(self, budgets: Sequence[int], accept_lengths: Sequence[int]) -> float:
+        """What the cost profile predicts for rounds played at `budgets` that committed `accept_lengths`
+        tokens: tokens / cost in AR steps (the measured speedup vs AR should come out close to it)."""
+        assert self.cost is not None
+        cost = sum(self.cost.cost(k) for k in budgets)
+        return sum(accept_lengths) / cost if cost > 0 else 0.0
+
+    def describe(self) -> str:
+        """One line: the expected speed of each candidate (AR = 1) and the current choice."""
+        sp = self.speeds()
+        return (
+            "expected speed vs AR: " + " ".join(f"{k}:{v:.2f}" for k, v in sp.items()) + f" -> {self.best()}"
+        )
+
+
+def resolve_budget(budget: int | str | BudgetPolicy) -> BudgetPolicy:
+    """`SpeculativeGenerator`'s `budget` argument as a policy: an int -> `FixedBudget`, "auto" ->
+    `AutoBudget()` (cost profile from this machine's cache, no prior), a policy as it is."""
+    if isinstance(budget, bool):
+        raise UserInputError(f"budget must be an int >= 0, 'auto' or a BudgetPolicy, got {budget!r}")
+    if isinstance(budget, int):
+        return FixedBudget(budget)
+    if isinstance(budget, str):
+        if budget.strip().lower() == "auto":
+            return AutoBudget()
+        raise UserInputError(f"budget must be an int >= 0, 'auto' or a BudgetPolicy, got {budget!r}")
+    if isinstance(budget, BudgetPolicy):
+        return budget
+    raise UserInputError(f"budget must be an int >= 0, 'auto' or a BudgetPolicy, got {type(budget).__name__}")

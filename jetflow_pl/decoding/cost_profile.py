@@ -1,0 +1,432 @@
+"""What one decode round costs on this machine: the cost half of choosing a draft budget.
+
+A speculative round at budget k costs one target verify of `N = k + 1` tree nodes plus one head draft
+(head forward + the target's lm_head over the draft depths) plus building the tree; an AR step costs a
+1-node verify. `budget="auto"` (`budget.py`) needs these costs *relative* to an AR step, t(N)/t(1) and
+draft/t(1), because the best budget is where expected tokens per round divided by relative round cost
+peaks. Those ratios depend on the hardware and the model (on a 2-core CPU t(17)/t(1) is ~2.2 for a 135M
+target; on a GPU it stays near 1 to N = 64 and beyond), so they are measured, once, by the decode backend
+itself through its protocol (`prefill` / `draft` / `verify` / `commit`), at a realistic KV length.
+
+A `CostProfile` is cached as JSON under `~/.cache/jetflow_pl/cost_profiles/` (or `$JETFLOW_PL_CACHE_DIR`,
+or `$XDG_CACHE_HOME/jetflow_pl`), named by a digest of its *fingerprint*: CPU and GPU model, torch
+threads and version, backend kind, dtype, device, and the identity of target and head. The identity is
+the model *architecture* (config digest): the cost of a forward depends on shapes, not on weight values.
+A cached profile whose fingerprint no longer matches is re-measured; one passed explicitly
+(`--cost-profile FILE`) that does not match is refused with one line naming what differs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from jetflow_pl.decoding.backend import DecodeBackend
+from jetflow_pl.errors import UserInputError
+from jetflow_pl.tree import SCORE_QUANTUM, DraftTree, accept_greedy, build_tree
+
+log = logging.getLogger(__name__)
+
+#: tree sizes N (nodes, root included) whose verify cost is measured: budgets 0, 1, 2, 4, ..., 256
+LADDER_NODES = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257)
+#: KV length at which costs are measured (a prompt plus part of a response)
+DEFAULT_KV_LEN = 256
+DEFAULT_REPEATS = 5
+PROFILE_VERSION = 1
+#: config keys that do not change what a forward computes (paths, versions, bookkeeping)
+_VOLATILE_CONFIG_KEYS = ("transformers_version", "architectures", "dtype", "torch_dtype")
+
+
+class CostProfileMismatch(UserInputError):
+    """An explicitly given cost profile was measured for another model, backend or machine."""
+
+
+# --------------------------------------------------------------------------------------------------
+# fingerprint
+# --------------------------------------------------------------------------------------------------
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _config_digest(config: Any) -> str:
+    """Digest of an HF config's architecture (private `_...` keys, versions and dtype dropped)."""
+    d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    return _digest({k: v for k, v in d.items() if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS})
+
+
+def cpu_model() -> str:
+    """The CPU's model name (`/proc/cpuinfo` on Linux), else what `platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _backend_device(backend: DecodeBackend) -> torch.device:
+    device = getattr(backend, "device", None)
+    return torch.device(device) if device is not None else torch.device("cpu")
+
+
+def model_identity(backend: DecodeBackend) -> dict[str, str]:
+    """`{"target", "head", "name", "dtype"}` of the models behind `backend`.
+
+    `TorchBackend` exposes `target` / `head` (HF configs); graph, ONNX Runtime and TensorRT backends carry
+    the engine directory's model description in `config` (`graphs.pair_config`).
+    """
+    target = getattr(backend, "target", None)
+    if target is not None and hasattr(target, "config"):
+        head = getattr(backend, "head", None)
+        return {
+            "target": _config_digest(target.config),
+            "head": _config_digest(head.config) if head is not None else "none",
+            "name": Path(str(getattr(target.config, "_name_or_path", "") or "target")).name,
+            "dtype": str(getattr(target, "dtype", "")).replace("torch.", ""),
+        }
+    cfg = getattr(backend, "config", None)
+    if isinstance(cfg, dict) and "target" in cfg:
+        target_keys = ("target", "vocab_size", "max_positions", "target_layer_ids", "variant")
+        head_keys = ("head", "block_size", "causal_head", "topk")
+        engine_dir = getattr(backend, "engine_dir", None)
+        return {
+            "target": _digest({k: cfg.get(k) for k in target_keys}),
+            "head": _digest({k: cfg.get(k) for k in head_keys}),
+            "name": Path(str(engine_dir)).name if engine_dir is not None else "engine",
+            "dtype": str(cfg.get("dtype", "")),
+        }
+    return {"target": type(backend).__qualname__, "head": "unknown", "name": "unknown", "dtype": ""}
+
+
+def fingerprint(backend: DecodeBackend) -> dict[str, Any]:
+    """Everything a measured cost depends on: machine, software, backend and model architecture."""
+    device = _backend_device(backend)
+    gpu = None
+    if device.type == "cuda" and torch.cuda.is_available():
+        gpu = torch.cuda.get_device_name(device)
+    ident = model_identity(backend)
+    kind = type(backend).__qualname__
+    variant = (getattr(backend, "config", None) or {}).get("variant") if kind != "TorchBackend" else None
+    return {
+        "cpu": cpu_model(),
+        "gpu": gpu,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "backend": kind + (f"/{variant}" if variant else ""),
+        "dtype": ident["dtype"],
+        "device": str(device),
+        "target": ident["target"],
+        "head": ident["head"],
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# the profile
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CostProfile:
+    """Measured round costs of one backend on one machine (seconds, minimum over `repeats`).
+
+    nodes[i]: a tree size N; verify_s[i]: one verify of N nodes + the greedy acceptance walk + commit
+    (N = 1 is one AR step, t(1)); build_s[i]: building the budget N-1 tree from draft log-probs;
+    draft_s: one head draft (head forward + lm_head over the draft depths). `cost(k)` is the ratio the
+    budget chooser uses.
+    """
+
+    fingerprint: dict[str, Any]
+    nodes: list[int]
+    verify_s: list[float]
+    build_s: list[float]
+    draft_s: float
+    kv_len: int
+    repeats: int
+    name: str = ""
+    created: str = ""
+    version: int = PROFILE_VERSION
+    measure_seconds: float = 0.0
+    source: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.nodes or self.nodes[0] != 1:
+            raise UserInputError("a cost profile must start at N = 1 (one AR step)")
+        if not (len(self.nodes) == len(self.verify_s) == len(self.build_s)):
+            raise UserInputError("a cost profile needs one verify and one build time per tree size")
+        if any(b <= a for a, b in pairwise(self.nodes)):
+            raise UserInputError(f"cost profile tree sizes must increase, got {self.nodes}")
+        if not all(t > 0 for t in self.verify_s) or self.draft_s < 0 or any(t < 0 for t in self.build_s):
+            raise UserInputError("cost profile times must be positive")
+
+    # ---- ratios -----------------------------------------------------------------------------------
+    @property
+    def t1(self) -> float:
+        """Seconds of one AR step (verify of the root alone)."""
+        return self.verify_s[0]
+
+    @property
+    def budgets(self) -> list[int]:
+        """The budgets whose cost is known: N - 1 for every measured N."""
+        return [n - 1 for n in self.nodes]
+
+    @property
+    def draft_ratio(self) -> float:
+        """Head draft cost relative to one AR step."""
+        return self.draft_s / self.t1
+
+    def verify_ratio(self, n: int) -> float:
+        """t(N)/t(1) for a measured N."""
+        return self.verify_s[self._index(n)] / self.t1
+
+    def cost(self, budget: int) -> float:
+        """Cost of one round at `budget`, in AR steps: 1 for budget 0 (no draft at all), else
+        (t(k+1) + draft + build) / t(1)."""
+        if budget == 0:
+            return 1.0
+        i = self._index(budget + 1)
+        return (self.verify_s[i] + self.draft_s + self.build_s[i]) / self.t1
+
+    def _index(self, n: int) -> int:
+        try:
+            return self.nodes.index(int(n))
+        except ValueError:
+            raise ValueError(f"tree size {n} was not measured (measured: {self.nodes})") from None
+
+    def summary(self) -> str:
+        """One line: t(1), t(N)/t(1) per N and the draft ratio."""
+        ratios = " ".join(f"{n}:{self.verify_ratio(n):.2f}" for n in self.nodes[1:])
+        return f"t(1) {self.t1 * 1e3:.2f} ms; t(N)/t(1) {ratios}; draft {self.draft_ratio:.2f} t(1)"
+
+    # ---- matching ---------------------------------------------------------------------------------
+    def mismatch(self, other: dict[str, Any]) -> list[str]:
+        """Fingerprint keys whose values differ from `other` (empty: this profile applies)."""
+        keys = sorted(set(self.fingerprint) | set(other))
+        return [k for k in keys if self.fingerprint.get(k) != other.get(k)]
+
+    # ---- files ------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("source")
+        return d
+
+    def save(self, path: str | Path) -> Path:
+        """Write as JSON via a temp file + rename, so a reader never sees half a profile."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostProfile:
+        """Read a profile written by `save`; anything else is one `UserInputError` naming the file."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict):
+                raise TypeError("not a JSON object")
+            if data.get("version") != PROFILE_VERSION:
+                raise ValueError(f"version {data.get('version')!r}, expected {PROFILE_VERSION}")
+            prof = cls(**data)
+        except UserInputError as err:
+            raise UserInputError(f"cost profile {path}: {err}") from err
+        except (OSError, ValueError, TypeError) as err:
+            raise UserInputError(f"cost profile {path} is not a readable cost profile ({err})") from err
+        prof.source = str(path)
+        return prof
+
+
+# --------------------------------------------------------------------------------------------------
+# measuring
+# --------------------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def ladder_for(
+    backend: DecodeBackend, kv_len: int, nodes: Sequence[int] = LADDER_NODES
+) -> tuple[list[int], int]:
+    """(tree sizes to measure, KV length): the ladder capped by the backend's tree limit and context.
+
+    The KV length is at most half the context; each measurement commits one position, so the ladder
+    also leaves room for a repeat's growth.
+    """
+    from jetflow_pl.decoding.generator import max_budget
+
+    max_pos = int(backend.max_positions)
+    kv_len = max(1, min(int(kv_len), max_pos // 2))
+    room = max_pos - kv_len - len(nodes) - 1
+    has_head = backend.block_size >= 2
+    limit = max_budget(backend) + 1
+    ladder = [n for n in nodes if n <= limit and n <= room and (n == 1 or has_head)]
+    if not ladder or ladder[0] != 1:
+        ladder = [1, *ladder]
+    return ladder, kv_len
+
+
+@torch.no_grad()
+def measure_cost_profile(
+    backend: DecodeBackend,
+    kv_len: int = DEFAULT_KV_LEN,
+    nodes: Sequence[int] = LADDER_NODES,
+    repeats: int = DEFAULT_REPEATS,
+    width: int = 4,
+    seed: int = 0,
+) -> CostProfile:
+    """Time the backend's own round steps for every tree size of the ladder (see the module docstring).
+
+    One warm-up pass, then `repeats` timed passes, each after a fresh prefill of `kv_len` seeded random
+    tokens (token values do not change the cost of a forward); the order of tree sizes alternates
+    between passes so slow drift (thermal, a neighbour process) does not land on one size. Each time
+    kept is the minimum over the passes: other processes only ever add time (on a shared 2-core machine
+    a descheduled intra-op thread can make one step 10x slower), so the minimum is the steadiest
+    estimate of what the step itself costs, and the ratios between sizes are what the chooser needs. Trees are
+    built from the head's real draft log-probs (best-first, `width` children), so their depths and
+    positions are the ones decoding verifies. Every step commits only the root, so the KV length stays
+    within `len(nodes)` positions of `kv_len`. Leaves the backend needing a fresh `prefill`.
+    """
+    from jetflow_pl.decoding.generator import _vocab_size
+
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    t_start = time.perf_counter()
+    ladder, kv_len = ladder_for(backend, kv_len, nodes)
+    device = _backend_device(backend)
+    vocab = _vocab_size(backend) or 2
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, vocab, (kv_len,), generator=g)
+    anchor = int(prompt[-1])
+    verify: dict[int, list[float]] = {n: [] for n in ladder}
+    build: dict[int, list[float]] = {n: [] for n in ladder}
+    draft: list[float] = []
+    for rep in range(repeats + 1):
+        backend.prefill(prompt)
+        order = ladder if rep % 2 == 0 else ladder[::-1]
+        for n in order:
+            b_s = 0.0
+            if n > 1:
+                _sync(device)
+                t0 = time.perf_counter()
+                lp = backend.draft(anchor)
+                float(lp[0, 0])  # waits for the device, as the tree builder's host copy does
+                t1 = time.perf_counter()
+                tree = build_tree(lp, anchor, n - 1, width, None, SCORE_QUANTUM)
+                t2 = time.perf_counter()
+                b_s = t2 - t1
+                if rep:
+                    draft.append(t1 - t0)
+            else:
+                tree = DraftTree.chain([anchor])
+            _sync(device)
+            t3 = time.perf_counter()
+            logits = backend.verify(tree)
+            accept_greedy(tree, logits.argmax(dim=-1))
+            backend.commit([0])
+            _sync(device)
+            t4 = time.perf_counter()
+            if rep:
+                verify[n].append(t4 - t3)
+                build[n].append(b_s)
+    fp = fingerprint(backend)
+    return CostProfile(
+        fingerprint=fp,
+        nodes=ladder,
+        verify_s=[min(verify[n]) for n in ladder],
+        build_s=[min(build[n]) for n in ladder],
+        draft_s=min(draft) if draft else 0.0,
+        kv_len=kv_len,
+        repeats=repeats,
+        name=model_identity(backend)["name"],
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        measure_seconds=time.perf_counter() - t_start,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# cache
+# --------------------------------------------------------------------------------------------------
+
+
+def default_cache_dir() -> Path:
+    """`$JETFLOW_PL_CACHE_DIR/cost_profiles`, else `$XDG_CACHE_HOME/jetflow_pl/cost_profiles`, else
+    `~/.cache/jetflow_pl/cost_profiles`."""
+    root = os.environ.get("JETFLOW_PL_CACHE_DIR")
+    if root:
+        return Path(root).expanduser() / "cost_profiles"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "jetflow_pl" / "cost_profiles"
+
+
+def cache_file(fp: dict[str, Any], cache_dir: str | Path | None = None) -> Path:
+    """Where the profile of fingerprint `fp` is cached (`cache_dir`, default `default_cache_dir()`)."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return root / f"{_digest(fp)}.json"
+
+
+def cost_profile_for(
+    backend: DecodeBackend,
+    path: str | Path | None = None,
+    cache_dir: str | Path | None = None,
+    **measure_kw: Any,
+) -> CostProfile:
+    """The cost profile of `backend` on this machine: from `path`, else from the cache, else measured.
+
+    `path` given: an existing file must match this backend's fingerprint (else `CostProfileMismatch`,
+    one line naming the differing keys); a missing one is measured and written there. No `path`: the
+    cached profile for this fingerprint, re-measured (and re-cached) when absent, unreadable or stale.
+    `profile.source` says where the returned profile came from.
+    """
+    fp = fingerprint(backend)
+    if path is not None:
+        path = Path(path)
+        if path.exists():
+            prof = CostProfile.load(path)
+            diff = prof.mismatch(fp)
+            if diff:
+                details = ", ".join(f"{k}: {prof.fingerprint.get(k)!r} here {fp.get(k)!r}" for k in diff)
+                raise CostProfileMismatch(
+                    f"cost profile {path} was measured for another model or machine ({details}); "
+                    "delete it to re-measure, or leave out --cost-profile to use this machine's cache"
+                )
+            return prof
+        prof = measure_cost_profile(backend, **measure_kw)
+        prof.save(path)
+        prof.source = f"{path} (measured now)"
+        return prof
+    file = cache_file(fp, cache_dir)
+    if file.exists():
+        try:
+            prof = CostProfile.load(file)
+            if not prof.mismatch(fp):
+                return prof
+            log.info("cached cost profile %s does not match this machine/model: re-measuring", file)
+        except UserInputError as err:
+            log.info("unreadable cached cost profile (%s): re-measuring", err)
+    prof = measure_cost_profile(backend, **measure_kw)
+    try:
+        prof.save(file)
+        prof.source = f"{file} (measured now)"
+    except OSError as err:  # a read-only home must not stop decoding: the profile is still used
+        log.warning("could not cache the cost profile in %s: %s", file, err)
+        prof.source = "measured now (not cached)"
+    return prof

@@ -1,0 +1,175 @@
+"""Cost profiles: measured through a real backend, cached per machine and model, refused when they belong
+to another model or machine. No assertion on the measured times themselves (no wall-clock checks)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import TINY_VOCAB
+
+from jetflow_pl.decoding.cost_profile import (
+    CostProfile,
+    CostProfileMismatch,
+    cache_file,
+    cost_profile_for,
+    fingerprint,
+    measure_cost_profile,
+)
+from jetflow_pl.decoding.torch_backend import TorchBackend
+from jetflow_pl.errors import UserInputError
+from jetflow_pl.head import DraftHead, DraftHeadConfig
+from jetflow_pl.target import TargetModel
+
+SMALL_LADDER = (1, 2, 5, 17)
+
+
+def head_for(target: TargetModel, layers: int = 1) -> DraftHead:
+    torch.manual_seed(0)
+    cfg = DraftHeadConfig.for_target(
+        target.config, num_hidden_layers=layers, block_size=8, mask_token_id=TINY_VOCAB - 1
+    )
+    return DraftHead(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target_dir) -> TargetModel:
+    return TargetModel.from_pretrained(tiny_target_dir)
+
+
+@pytest.fixture()
+def backend(target) -> TorchBackend:
+    return TorchBackend(target, head_for(target))
+
+
+def quick(backend, **kw) -> CostProfile:
+    return measure_cost_profile(backend, kv_len=32, nodes=SMALL_LADDER, repeats=1, **kw)
+
+
+class LimitedBackend(TorchBackend):
+    """A backend stating a tree limit, as an engine with an optimization profile does."""
+
+    max_tree_nodes = 5
+
+
+def test_measured_profile_shape_and_ratios(backend):
+    prof = quick(backend)
+    assert prof.nodes == list(SMALL_LADDER) and prof.budgets == [0, 1, 4, 16]
+    assert prof.kv_len == 32 and prof.t1 > 0 and prof.draft_s > 0
+    assert prof.cost(0) == 1.0
+    # a round with a draft costs the draft on top of its verify: cost(k) >= t(k+1)/t(1) + draft/t(1)
+    for k in (1, 4, 16):
+        assert prof.cost(k) >= prof.verify_ratio(k + 1) + prof.draft_ratio - 1e-12
+    with pytest.raises(ValueError, match="was not measured"):
+        prof.cost(8)
+    # measuring leaves the backend usable: a fresh prefill decodes as before
+    assert backend.prefill(torch.tensor([3, 4, 5])).shape == (TINY_VOCAB,)
+
+
+def test_ladder_is_capped_by_the_backend_limit_and_the_context(target):
+    limited = LimitedBackend(target, head_for(target))
+    assert quick(limited).nodes == [1, 2, 5]
+    # no head: only the AR step can be measured
+    assert measure_cost_profile(TorchBackend(target), kv_len=16, nodes=SMALL_LADDER, repeats=1).nodes == [1]
+
+
+def test_fingerprint_names_machine_software_backend_and_models(target, backend):
+    fp = fingerprint(backend)
+    for key in ("cpu", "gpu", "threads", "torch", "backend", "dtype", "device", "target", "head"):
+        assert key in fp
+    assert (
+        fp["backend"] == "TorchBackend" and fp["device"] == "cpu" and fp["threads"] == torch.get_num_threads()
+    )
+    other_head = TorchBackend(target, head_for(target, layers=2))
+    assert fingerprint(other_head)["head"] != fp["head"]
+    assert fingerprint(other_head)["target"] == fp["target"]
+    assert fingerprint(TorchBackend(target))["head"] == "none"
+
+
+def test_cache_measures_once_then_reuses(backend, tmp_path, monkeypatch):
+    first = cost_profile_for(backend, cache_dir=tmp_path, kv_len=32, nodes=SMALL_LADDER, repeats=1)
+    path = cache_file(fingerprint(backend), tmp_path)
+    assert path.is_file() and "measured now" in first.source
+
+    def no_measuring(*a, **k):
+        raise AssertionError("a cached, matching profile must not be re-measured")
+
+    monkeypatch.setattr("jetflow_pl.decoding.cost_profile.measure_cost_profile", no_measuring)
+    again = cost_profile_for(backend, cache_dir=tmp_path)
+    assert again.source == str(path) and again.verify_s == first.verify_s
+
+
+def test_stale_or_corrupt_cache_is_remeasured(backend, tmp_path):
+    prof = cost_profile_for(backend, cache_dir=tmp_path, kv_len=32, nodes=SMALL_LADDER, repeats=1)
+    path = cache_file(prof.fingerprint, tmp_path)
+    data = json.loads(path.read_text())
+    data["fingerprint"]["threads"] = 999  # as if measured with another thread count
+    path.write_text(json.dumps(data))
+    again = cost_profile_for(backend, cache_dir=tmp_path, kv_len=32, nodes=SMALL_LADDER, repeats=1)
+    assert "measured now" in again.source and again.fingerprint["threads"] == torch.get_num_threads()
+    assert json.loads(path.read_text())["fingerprint"]["threads"] == torch.get_num_threads()
+    path.write_text("{ truncated")
+    again = cost_profile_for(backend, cache_dir=tmp_path, kv_len=32, nodes=SMALL_LADDER, repeats=1)
+    assert "measured now" in again.source and CostProfile.load(path).nodes == list(SMALL_LADDER)
+
+
+def test_explicit_profile_of_another_model_or_machine_is_refused(target, backend, tmp_path):
+    path = tmp_path / "mine.json"
+    made = cost_profile_for(backend, path, kv_len=32, nodes=SMALL_LADDER, repeats=1)  # missing: measured
+    assert path.is_file() and CostProfile.load(path).verify_s == made.verify_s
+    assert cost_profile_for(backend, path).source == str(path)  # matching: used as it is
+    other = TorchBackend(target, head_for(target, layers=2))
+    with pytest.raises(CostProfileMismatch, match="measured for another model or machine") as info:
+        cost_profile_for(other, path)
+    msg = str(info.value)
+    assert "\n" not in msg and "head:" in msg and str(path) in msg
+    data = json.loads(path.read_text())
+    data["fingerprint"]["cpu"] = "Some Other CPU"
+    path.write_text(json.dumps(data))
+    with pytest.raises(CostProfileMismatch, match="cpu: 'Some Other CPU'"):
+        cost_profile_for(backend, path)
+    assert isinstance(info.value, UserInputError)
+
+
+def test_unreadable_profiles_are_one_clear_error(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    with pytest.raises(UserInputError, match="bad.json is not a readable cost profile"):
+        CostProfile.load(bad)
+    bad.write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "fingerprint": {},
+                "nodes": [2, 3],
+                "verify_s": [1, 1],
+                "build_s": [0, 0],
+                "draft_s": 0.1,
+                "kv_len": 1,
+                "repeats": 1,
+            }
+        )
+    )
+    with pytest.raises(UserInputError, match="must start at N = 1"):
+        CostProfile.load(bad)
+
+
+def test_ladder_leaves_room_in_the_context(backend):
+    from jetflow_pl.decoding.cost_profile import LADDER_NODES, ladder_for
+
+    # 1024 positions: the KV length is capped at half the context and the ladder must fit after it
+    nodes, kv_len = ladder_for(backend, 900, LADDER_NODES)
+    assert kv_len == 512
+    assert nodes[0] == 1 and max(nodes) + kv_len + len(LADDER_NODES) < backend.max_positions
+    assert nodes == [n for n in LADDER_NODES if n <= max(nodes)]
+
+
+def test_graph_backend_is_measured_through_the_same_protocol(target):
+    from jetflow_pl.decoding.graph_backend import TorchGraphBackend
+
+    graph = TorchGraphBackend(target, head_for(target), topk=4)
+    prof = quick(graph)
+    assert prof.nodes == list(SMALL_LADDER)
+    assert prof.fingerprint["backend"].startswith("TorchGraphBackend")
+    assert prof.fingerprint["backend"] != fingerprint(TorchBackend(target, head_for(target)))["backend"]
