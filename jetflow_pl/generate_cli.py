@@ -3,6 +3,12 @@
 Prints the generated text and the metrics of DESIGN.md: tau (tokens per target verify forward), decode
 tokens/s (prefill excluded) and, with `--compare`, the speedup over the AR loop on the same backend and
 over HF `generate()`, measured in the same run on the same machine.
+
+`--budget auto` (the default) picks the draft budget per round from this machine's cost profile for
+this target and backend (measured once, cached; `--cost-profile FILE` to pin one) and the head's
+acceptance (prior: `--acceptance-profile FILE`, else `acceptance_profile.json` beside the head), and
+falls back to plain AR where drafting cannot pay. It prints the budgets played and the speedup the cost
+model predicts next to the measured one.
 """
 
 from __future__ import annotations
@@ -11,14 +17,16 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from data_gen.toy.tokenizer import mask_token_id, prompt_ids
+from jetflow_pl.chat import encode_prompt
 from jetflow_pl.checkpoints import load_draft_head
 from jetflow_pl.decoding import ARGenerator, SamplingConfig, SpeculativeGenerator
+from jetflow_pl.decoding.budget import ACCEPTANCE_PROFILE_FILE, AcceptanceProfile, AutoBudget
 from jetflow_pl.decoding.torch_backend import TorchBackend
 from jetflow_pl.errors import MissingPathError, NumericalError, UserInputError
 from jetflow_pl.head import DraftHead, DraftHeadConfig
@@ -39,6 +47,19 @@ def _int_at_least(lo: int):
         return value
 
     return parse
+
+
+def _budget(text: str) -> int | str:
+    """An argparse type: `auto` or an int >= 0 (the messages name the flag, as `_int_at_least`'s do)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r} (or 'auto')") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def _float_in(lo: float, hi: float, lo_open: bool = False):
@@ -64,7 +85,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts-file", type=Path, default=None, help="a text file with one prompt per line")
     p.add_argument("--no-chat-template", action="store_true", help="feed prompts raw, without the template")
     p.add_argument(
-        "--budget", type=_int_at_least(0), default=64, help="draft tokens per tree (root excluded); 0 = AR"
+        "--budget",
+        type=_budget,
+        default="auto",
+        help="draft tokens per tree (root excluded); 0 = AR; auto (default) = per round, from this "
+        "machine's cost profile and the head's acceptance, AR where drafting cannot pay",
+    )
+    p.add_argument(
+        "--cost-profile",
+        type=Path,
+        default=None,
+        help="--budget auto: use (or measure into) this cost profile JSON instead of the per-machine cache",
+    )
+    p.add_argument(
+        "--acceptance-profile",
+        type=Path,
+        default=None,
+        help=f"--budget auto: the head's acceptance prior (default: {ACCEPTANCE_PROFILE_FILE} beside the head)",
+    )
+    p.add_argument(
+        "--save-acceptance-profile",
+        type=Path,
+        default=None,
+        help="write the acceptance measured in this run (every ladder budget <= the ones played) as a "
+        f"profile, e.g. HEAD/{ACCEPTANCE_PROFILE_FILE} after a run with a large fixed --budget",
     )
     p.add_argument("--width", type=_int_at_least(1), default=4, help="children per expanded node")
     p.add_argument(
@@ -93,20 +137,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_head_or_untrained(head_dir: Path | None, target: TargetModel, tokenizer) -> DraftHead:
-    """The head saved in `head_dir`, or (None) a seeded random head fitted to `target` and the toy mask token.
+    """The head saved in `head_dir`, or (None) a seeded random head fitted to `target` whose mask id is
+    the tokenizer's mask token. The mask id of a saved head is its config's (`dflash_config`).
 
     A random head drafts badly but decoding stays exact: it shows the loop's floor, not the method.
     """
     if head_dir is not None:
         return load_draft_head(head_dir)
+    mask = getattr(tokenizer, "mask_token_id", None)
+    if mask is None:
+        raise UserInputError(
+            "no --head given and the tokenizer defines no mask token for an untrained head: pass --head DIR"
+        )
     torch.manual_seed(0)
-    return DraftHead(DraftHeadConfig.for_target(target.config, mask_token_id=mask_token_id(tokenizer)))
-
-
-def _encode(tokenizer, text: str, chat: bool) -> list[int]:
-    if chat and tokenizer.chat_template:
-        return prompt_ids(tokenizer, text)
-    return tokenizer(text)["input_ids"]
+    return DraftHead(DraftHeadConfig.for_target(target.config, mask_token_id=int(mask)))
 
 
 def _hf_decode_tokens_per_s(model, ids: list[int], max_new: int, eos) -> tuple[list[int], float]:
@@ -179,6 +223,36 @@ def _backends(args: argparse.Namespace, target: TargetModel, head: DraftHead):
     return backend, backend
 
 
+def _acceptance_prior(args: argparse.Namespace) -> AcceptanceProfile | None:
+    """`--acceptance-profile`, else the profile saved beside the head; a width it was not measured at is
+    refused when given explicitly and ignored (with a note) when found beside the head."""
+    path, explicit = args.acceptance_profile, True
+    if path is None and args.head is not None and (args.head / ACCEPTANCE_PROFILE_FILE).is_file():
+        path, explicit = args.head / ACCEPTANCE_PROFILE_FILE, False
+    if path is None:
+        return None
+    prior = AcceptanceProfile.load(path)
+    if prior.width != args.width:
+        if explicit:
+            raise UserInputError(
+                f"acceptance profile {path} was measured at --width {prior.width}, not {args.width}"
+            )
+        print(f"note: ignoring {path} (measured at --width {prior.width}, not {args.width})", file=sys.stderr)
+        return None
+    return prior
+
+
+def _budget_policy(args: argparse.Namespace) -> int | AutoBudget:
+    if args.budget != "auto":
+        return args.budget
+    return AutoBudget(prior=_acceptance_prior(args), cost_profile_path=args.cost_profile)
+
+
+def _budget_counts(budgets: Sequence[int]) -> str:
+    """`16x30 0x2`: budget x rounds, most played first."""
+    return " ".join(f"{k}x{n}" for k, n in Counter(budgets).most_common())
+
+
 def _run(args: argparse.Namespace) -> int:
     _check_device(args.device)
     prompts = list(args.prompt)
@@ -202,23 +276,35 @@ def _run(args: argparse.Namespace) -> int:
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
     eos = tokenizer.eos_token_id
     policy = Top2GapCap(args.gap_cap) if args.gap_cap is not None else None
+    encoded = [encode_prompt(tokenizer, text, chat=not args.no_chat_template) for text in prompts]
+    budget = _budget_policy(args)
     backend, ar_backend = _backends(args, target, head)
-    spec = SpeculativeGenerator(backend, args.budget, args.width, policy, eos)
+    spec = SpeculativeGenerator(backend, budget, args.width, policy, eos)
     ar = ARGenerator(ar_backend, eos) if args.compare else None
 
     rows = []
-    for text in prompts:
-        ids = _encode(tokenizer, text, chat=not args.no_chat_template)
+    for i, (text, ids) in enumerate(zip(prompts, encoded, strict=True)):
         res = spec.generate(ids, args.max_new_tokens, sampling)
+        if i == 0 and isinstance(budget, AutoBudget):
+            print(f"note: budget auto: cost profile {budget.cost.source or '(given)'}", file=sys.stderr)
+            print(f"note: budget auto: {budget.cost.summary()}", file=sys.stderr)
+            prior = budget.prior.source if budget.prior is not None else "none (the first rounds probe)"
+            print(f"note: budget auto: acceptance prior {prior}", file=sys.stderr)
         row = {
             "prompt": text,
             "output": tokenizer.decode(res.tokens, skip_special_tokens=True),
             "new_tokens": len(res.tokens),
             "tau": res.tau,
             "decode_tokens_per_s": res.decode_tokens_per_s,
+            "budget": args.budget,
+            "budgets_played": dict(Counter(res.budgets)),
         }
         print(f"\n>>> {text}\n{row['output']}")
         line = f"[tau {res.tau:.2f} | {res.decode_tokens_per_s:.1f} tok/s decode"
+        if isinstance(budget, AutoBudget):
+            row["predicted_speedup_vs_ar"] = budget.predicted_speedup(res.budgets, res.accept_lengths)
+            line += f" | budget auto: {_budget_counts(res.budgets) or 'no rounds'}"
+            line += f" | predicted x{row['predicted_speedup_vs_ar']:.2f} vs AR"
         if ar is not None:
             ar_res = ar.generate(ids, args.max_new_tokens, sampling)
             hf_tokens, hf_tps = _hf_decode_tokens_per_s(target.model, ids, args.max_new_tokens, eos)
@@ -233,6 +319,13 @@ def _run(args: argparse.Namespace) -> int:
                 line += f" | identical to HF greedy: {row['matches_hf_greedy']}"
         print(line + "]")
         rows.append(row)
+    if args.save_acceptance_profile is not None:
+        try:
+            prof = spec.acceptance.to_profile(args.width, note=f"jetflow-generate on {len(prompts)} prompts")
+        except ValueError as err:
+            raise UserInputError(f"--save-acceptance-profile: {err}") from err
+        prof.save(args.save_acceptance_profile)
+        print(f"note: acceptance profile written to {args.save_acceptance_profile}", file=sys.stderr)
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0
