@@ -393,3 +393,22 @@ def test_auto_refuses_refinement(tiny):
     target, _, _ = tiny
     with pytest.raises(UserInputError, match="refine_factor needs a fixed budget"):
         SpeculativeGenerator(TorchBackend(target, make_head(target)), "auto", refine_factor=2)
+
+
+def test_a_session_probes_once_then_learns_across_generations():
+    cost = linear_cost(0.05, 0.3)
+    pol = started(AutoBudget(cost, None))
+    probe = pol.probe_budget()
+    for _ in range(6):  # every round accepts 2 drafts: tau(k) = min(1 + k, 3)
+        k = pol.choose()
+        pol.observe(DraftTree.chain(list(range(k + 1))), list(range(min(k, 2) + 1)))
+    best = pol.best()
+    assert best == brute_force_best(cost, {1: 2.0, 2: 3.0}, pol.min_gain) != probe
+    pol.start(FakeBackend())  # the next generation: no probing, the merged prior already knows
+    assert pol.prior is not None and pol.prior.at(2) == pytest.approx(3.0)
+    assert pol.choose() == best
+    frozen = started(AutoBudget(cost, None, learn=False))
+    frozen.choose()
+    frozen.observe(DraftTree.chain([0, 1, 2]), [0, 1, 2])
+    frozen.start(FakeBackend())
+    assert frozen.prior is None and frozen.choose() == frozen.probe_budget()

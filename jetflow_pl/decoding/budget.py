@@ -19,7 +19,8 @@ It does not hold for branch-conditioned refinement (a refined tree is a selectio
 
 The estimate of tau(k) is per generation: the mean accept length at k over this generation's rounds,
 shrunk toward a prior (`AcceptanceProfile`, e.g. a calibration file saved beside the head) with
-`prior_weight` pseudo-rounds. Without a prior the first `probe_rounds` rounds use a probe budget (the
+`prior_weight` pseudo-rounds; with `learn` (default) each generation's rounds are folded into the prior
+of the next. Without a prior the first `probe_rounds` rounds use a probe budget (the
 largest one costing at most `probe_cost` AR steps) to learn the profile. Budgets above the current
 choice are never observed by playing it, so their estimates could go stale: every `explore_every`
 rounds the next larger candidate is played once if its estimate is within `explore_margin` of the best;
@@ -166,6 +167,26 @@ class AcceptanceProfile:
         return prof
 
 
+def merge_acceptance(prior: AcceptanceProfile | None, stats: AcceptanceStats) -> AcceptanceProfile:
+    """`prior` updated with the rounds in `stats`: per budget, the round-weighted mean of the prior's tau
+    (stepwise `at`, over `rounds_at` rounds) and the observed accept lengths. Budgets only the prior
+    knows keep their values. (Budgets observed in different numbers of rounds can come out out of order;
+    `AutoBudget.estimates` makes its estimate non-decreasing in k.)"""
+    budgets = sorted(
+        set(prior.budgets if prior is not None else []) | {k for k in stats.budgets if stats.count(k)}
+    )
+    tau, rounds = [], []
+    for k in budgets:
+        r_p = prior.rounds_at(k) if prior is not None else 0
+        t_p = prior.at(k) if prior is not None else 0.0
+        n = stats.count(k) if k in stats.budgets else 0
+        s = stats.sums[stats.budgets.index(k)] if n else 0.0
+        tau.append((t_p * r_p + s) / (r_p + n) if r_p + n else 1.0)
+        rounds.append(r_p + n)
+    width = prior.width if prior is not None else 0
+    return AcceptanceProfile(budgets=budgets, tau=tau, rounds=rounds, width=width, note="merged online")
+
+
 # --------------------------------------------------------------------------------------------------
 # policies
 # --------------------------------------------------------------------------------------------------
@@ -229,6 +250,8 @@ class AutoBudget:
         min_gain: a budget must be expected to beat AR by this factor to be played instead of AR (the
             margin covers timing noise in the cost profile).
         cap: never choose more than this (None: the cost profile's ladder, capped by the backend).
+        learn: fold each generation's observations into the prior of the next (`merge_acceptance`), so a
+            session of many prompts probes only once without a prior and sharpens one it was given.
 
     `max_budget` (the `BudgetPolicy` attribute) is None: the candidates are capped by the backend in
     `start`, so no budget this policy picks can exceed the backend's limit.
@@ -251,6 +274,7 @@ class AutoBudget:
         explore_margin: float = 0.25,
         min_gain: float = 1.05,
         cap: int | None = None,
+        learn: bool = True,
     ) -> None:
         if prior_weight < 0 or probe_rounds < 0 or probe_cost < 1 or explore_every < 1:
             raise ValueError("prior_weight, probe_rounds >= 0; probe_cost, explore_every >= 1")
@@ -268,6 +292,7 @@ class AutoBudget:
         self.explore_margin = float(explore_margin)
         self.min_gain = float(min_gain)
         self.cap = cap
+        self.learn = bool(learn)
         self.candidates: list[int] = [0]
         self.stats = AcceptanceStats([0])
         self._resolved_for: int | None = None
@@ -295,6 +320,8 @@ class AutoBudget:
         if self.cap is not None:
             limit = min(limit, int(self.cap))
         can_draft = backend.block_size >= 2
+        if self.learn and any(self.stats.counts[1:]):  # what the last generation saw informs the next
+            self.prior = merge_acceptance(self.prior, self.stats)
         self.candidates = [k for k in self.cost.budgets if k == 0 or (can_draft and k <= limit)]
         self.stats = AcceptanceStats(self.candidates)
         self._reset_generation()
