@@ -173,3 +173,22 @@ def test_graph_backend_is_measured_through_the_same_protocol(target):
     assert prof.nodes == list(SMALL_LADDER)
     assert prof.fingerprint["backend"].startswith("TorchGraphBackend")
     assert prof.fingerprint["backend"] != fingerprint(TorchBackend(target, head_for(target)))["backend"]
+
+
+def test_isotonic_fit_keeps_order_and_least_squares():
+    from jetflow_pl.decoding.cost_profile import isotonic
+
+    assert isotonic([1.0, 1.2, 1.5]) == [1.0, 1.2, 1.5]  # already in order: unchanged
+    fit = isotonic([1.0, 2.5, 2.8, 2.5, 1.2, 3.0])
+    assert all(a <= b for a, b in zip(fit, fit[1:], strict=False))
+    assert fit[0] == 1.0 and fit[-1] == 3.0
+    assert fit[1:5] == pytest.approx([2.25] * 4)  # the violating run pooled to its mean
+    assert sum(fit) == pytest.approx(1.0 + 2.5 + 2.8 + 2.5 + 1.2 + 3.0)  # PAV preserves the total
+
+
+def test_measured_ratios_are_monotone_and_spread_is_recorded(backend):
+    prof = measure_cost_profile(backend, kv_len=32, nodes=SMALL_LADDER, repeats=2)
+    ratios = [prof.verify_ratio(n) for n in prof.nodes]
+    assert ratios[0] == 1.0 and all(a <= b for a, b in zip(ratios, ratios[1:], strict=False))
+    assert prof.spread >= 0.0 and isinstance(prof.noisy, bool)
+    assert ("NOISY" in prof.summary()) == prof.noisy

@@ -22,8 +22,10 @@ import datetime
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -44,6 +46,11 @@ LADDER_NODES = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257)
 #: KV length at which costs are measured (a prompt plus part of a response)
 DEFAULT_KV_LEN = 256
 DEFAULT_REPEATS = 5
+#: a pass times up to this many back-to-back rounds of one size, enough to fill MIN_SAMPLE_SECONDS
+MAX_INNER_ROUNDS = 8
+MIN_SAMPLE_SECONDS = 0.03
+#: `CostProfile.spread` above this flags a profile measured under load
+NOISY_SPREAD = 0.35
 PROFILE_VERSION = 1
 #: config keys that do not change what a forward computes (paths, versions, bookkeeping)
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "architectures", "dtype", "torch_dtype")
@@ -142,7 +149,8 @@ def fingerprint(backend: DecodeBackend) -> dict[str, Any]:
 
 @dataclass
 class CostProfile:
-    """Measured round costs of one backend on one machine (seconds, minimum over `repeats`).
+    """Measured round costs of one backend on one machine, in seconds (`measure_cost_profile`: ratios to
+    t(1) are medians of paired samples, t(1) is the fastest AR round seen).
 
     nodes[i]: a tree size N; verify_s[i]: one verify of N nodes + the greedy acceptance walk + commit
     (N = 1 is one AR step, t(1)); build_s[i]: building the budget N-1 tree from draft log-probs;
@@ -161,6 +169,10 @@ class CostProfile:
     created: str = ""
     version: int = PROFILE_VERSION
     measure_seconds: float = 0.0
+    #: relative spread of the paired ratio samples (median over sizes of IQR / median): 0.1 is a quiet
+    #: machine, > NOISY_SPREAD means the numbers are load, not the model (re-measure when quiet)
+    spread: float = 0.0
+    load_average: float | None = None
     source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -207,10 +219,22 @@ class CostProfile:
         except ValueError:
             raise ValueError(f"tree size {n} was not measured (measured: {self.nodes})") from None
 
+    @property
+    def noisy(self) -> bool:
+        """True when the samples scattered too much for the ratios to describe the model."""
+        return self.spread > NOISY_SPREAD
+
     def summary(self) -> str:
-        """One line: t(1), t(N)/t(1) per N and the draft ratio."""
+        """One line: t(1), t(N)/t(1) per N, the draft ratio, and a warning when the samples were noisy."""
         ratios = " ".join(f"{n}:{self.verify_ratio(n):.2f}" for n in self.nodes[1:])
-        return f"t(1) {self.t1 * 1e3:.2f} ms; t(N)/t(1) {ratios}; draft {self.draft_ratio:.2f} t(1)"
+        line = f"t(1) {self.t1 * 1e3:.2f} ms; t(N)/t(1) {ratios}; draft {self.draft_ratio:.2f} t(1)"
+        if self.noisy:
+            load = f", load average {self.load_average:.1f}" if self.load_average is not None else ""
+            line += (
+                f"; NOISY (spread {self.spread:.2f}{load}): measured while the machine was busy, "
+                "delete the profile to re-measure when it is quiet"
+            )
+        return line
 
     # ---- matching ---------------------------------------------------------------------------------
     def mismatch(self, other: dict[str, Any]) -> list[str]:
@@ -267,14 +291,14 @@ def ladder_for(
 ) -> tuple[list[int], int]:
     """(tree sizes to measure, KV length): the ladder capped by the backend's tree limit and context.
 
-    The KV length is at most half the context; each measurement commits one position, so the ladder
-    also leaves room for a repeat's growth.
+    The KV length is at most half the context; each timed round commits one position, so the ladder
+    also leaves room for a pass's growth (at most `MAX_INNER_ROUNDS` pairs of rounds per size).
     """
     from jetflow_pl.decoding.generator import max_budget
 
     max_pos = int(backend.max_positions)
     kv_len = max(1, min(int(kv_len), max_pos // 2))
-    room = max_pos - kv_len - len(nodes) - 1
+    room = max_pos - kv_len - 2 * len(nodes) * MAX_INNER_ROUNDS - 1
     has_head = backend.block_size >= 2
     limit = max_budget(backend) + 1
     ladder = [n for n in nodes if n <= limit and n <= room and (n == 1 or has_head)]
@@ -295,16 +319,19 @@ def measure_cost_profile(
     """Time the backend's own round steps for every tree size of the ladder (see the module docstring).
 
     One warm-up pass, then `repeats` timed passes, each after a fresh prefill of `kv_len` seeded random
-    tokens (token values do not change the cost of a forward); the order of tree sizes alternates
-    between passes so slow drift (thermal, a neighbour process) does not land on one size. Each time
-    kept is the minimum over the passes: other processes only ever add time (on a shared 2-core machine
-    a descheduled intra-op thread can make one step 10x slower), so the minimum is the steadiest
-    estimate of what the step itself costs, and the ratios between sizes are what the chooser needs. Trees are
-    built from the head's real draft log-probs (best-first, `width` children), so their depths and
-    positions are the ones decoding verifies. Every step commits only the root, so the KV length stays
-    within `len(nodes)` positions of `kv_len`. Leaves the backend needing a fresh `prefill`.
+    tokens (token values do not change the cost of a forward). A sample of size N is a pair of full
+    rounds back to back: an AR round, then a round of N nodes (draft, build, verify, accept, commit);
+    a pass takes a few samples per size (enough to fill `MIN_SAMPLE_SECONDS`, at most
+    `MAX_INNER_ROUNDS`), alternating the order of sizes between passes. The chooser needs ratios only,
+    and the per-pair ratio is what survives a shared machine: load comes in bursts that slow a step
+    10x or more (a descheduled intra-op thread stalls the whole op), but two rounds milliseconds apart
+    mostly see the same load. So t(N)/t(1), draft/t(1) and build/t(1) are medians of paired ratios,
+    and t(1) itself (for display) is the fastest AR round seen. Trees are built from the head's real
+    draft log-probs (best-first, `width` children), so their depths and positions are the ones
+    decoding verifies. Every round commits only the root, so the KV length stays within a pass's
+    rounds of `kv_len`. Leaves the backend needing a fresh `prefill`.
     """
-    from jetflow_pl.decoding.generator import _vocab_size
+    from jetflow_pl.decoding.generator import _check_finite, _vocab_size
 
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -315,50 +342,101 @@ def measure_cost_profile(
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab, (kv_len,), generator=g)
     anchor = int(prompt[-1])
-    verify: dict[int, list[float]] = {n: [] for n in ladder}
-    build: dict[int, list[float]] = {n: [] for n in ladder}
+
+    def one_round(n: int) -> tuple[float, float, float]:
+        """(draft, build, verify + accept + commit) seconds of one round with a tree of `n` nodes."""
+        d_s = b_s = 0.0
+        if n > 1:
+            _sync(device)
+            t0 = time.perf_counter()
+            lp = backend.draft(anchor)
+            _check_finite(lp, "the draft head", "while measuring costs", "")  # as the decode loop does
+            float(lp[0, 0])  # waits for the device, as the tree builder's host copy does
+            t1 = time.perf_counter()
+            tree = build_tree(lp, anchor, n - 1, width, None, SCORE_QUANTUM)
+            d_s, b_s = t1 - t0, time.perf_counter() - t1
+        else:
+            tree = DraftTree.chain([anchor])
+        _sync(device)
+        t3 = time.perf_counter()
+        logits = backend.verify(tree)
+        _check_finite(logits, "the target", "while measuring costs", "")
+        accept_greedy(tree, logits.argmax(dim=-1))
+        backend.commit([0])
+        _sync(device)
+        return d_s, b_s, time.perf_counter() - t3
+
+    # warm-up pass (first-call allocations, graph/kernel caches); it also sizes how many back-to-back
+    # samples of each size a pass takes, so cheap sizes get as many chances as expensive ones
+    backend.prefill(prompt)
+    inner = {}
+    t_ar = sum(one_round(1))
+    for n in ladder:
+        t = sum(one_round(n)) + t_ar
+        inner[n] = max(1, min(MAX_INNER_ROUNDS, math.ceil(MIN_SAMPLE_SECONDS / max(t, 1e-9))))
+    # every sample of size n is a pair: one AR round, then one round of n nodes, back to back. Other
+    # processes slow both alike when they are that close in time, so the per-pair ratio is stable
+    # where the raw times are not (bursts of load on a shared machine come and go over seconds)
+    t1: list[float] = []
+    ratio: dict[int, list[float]] = {n: [] for n in ladder if n > 1}
+    build: dict[int, list[float]] = {n: [] for n in ladder if n > 1}
     draft: list[float] = []
-    for rep in range(repeats + 1):
+    for rep in range(repeats):
         backend.prefill(prompt)
-        order = ladder if rep % 2 == 0 else ladder[::-1]
-        for n in order:
-            b_s = 0.0
-            if n > 1:
-                _sync(device)
-                t0 = time.perf_counter()
-                lp = backend.draft(anchor)
-                float(lp[0, 0])  # waits for the device, as the tree builder's host copy does
-                t1 = time.perf_counter()
-                tree = build_tree(lp, anchor, n - 1, width, None, SCORE_QUANTUM)
-                t2 = time.perf_counter()
-                b_s = t2 - t1
-                if rep:
-                    draft.append(t1 - t0)
-            else:
-                tree = DraftTree.chain([anchor])
-            _sync(device)
-            t3 = time.perf_counter()
-            logits = backend.verify(tree)
-            accept_greedy(tree, logits.argmax(dim=-1))
-            backend.commit([0])
-            _sync(device)
-            t4 = time.perf_counter()
-            if rep:
-                verify[n].append(t4 - t3)
-                build[n].append(b_s)
+        for n in ladder if rep % 2 == 0 else ladder[::-1]:
+            for _ in range(inner[n]):
+                a = one_round(1)[2]
+                t1.append(a)
+                if n == 1:
+                    continue
+                d_s, b_s, v_s = one_round(n)
+                ratio[n].append(v_s / a)
+                build[n].append(b_s / a)
+                draft.append(d_s / a)
+    base = min(t1)
+    # a verify of more nodes is never cheaper: fit the medians non-decreasing in N and >= t(1), so noise
+    # cannot make a large tree look cheaper than a small one (the first value stays exactly 1)
+    medians = [1.0, *(max(1.0, statistics.median(ratio[n])) for n in ladder[1:])]
+    verify_s = [base * r for r in isotonic(medians)]
+    build_s = [0.0 if n == 1 else base * statistics.median(build[n]) for n in ladder]
+    draft_s = base * statistics.median(draft) if draft else 0.0
+    spreads = [_relative_iqr(ratio[n]) for n in ladder[1:] if len(ratio[n]) >= 4]
     fp = fingerprint(backend)
     return CostProfile(
         fingerprint=fp,
         nodes=ladder,
-        verify_s=[min(verify[n]) for n in ladder],
-        build_s=[min(build[n]) for n in ladder],
-        draft_s=min(draft) if draft else 0.0,
+        verify_s=verify_s,
+        build_s=build_s,
+        draft_s=draft_s,
         kv_len=kv_len,
         repeats=repeats,
         name=model_identity(backend)["name"],
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         measure_seconds=time.perf_counter() - t_start,
+        spread=statistics.median(spreads) if spreads else 0.0,
+        load_average=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     )
+
+
+def isotonic(values: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence closest to `values` in least squares (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s_, c_ = blocks.pop()
+            blocks[-1][0] += s_
+            blocks[-1][1] += c_
+    out: list[float] = []
+    for s_, c_ in blocks:
+        out.extend([s_ / c_] * int(c_))
+    return out
+
+
+def _relative_iqr(xs: Sequence[float]) -> float:
+    q = statistics.quantiles(xs, n=4)
+    med = statistics.median(xs)
+    return (q[2] - q[0]) / med if med > 0 else 0.0
 
 
 # --------------------------------------------------------------------------------------------------
