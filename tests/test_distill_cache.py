@@ -132,6 +132,26 @@ def _assert_same_cache(a: Path, b: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------ equality
+def test_compute_features_equals_a_forward_over_each_document_alone(tiny_target_dir: Path) -> None:
+    from jetflow_pl.target import TargetModel
+    from jetflow_pl.training.teacher_cache import compute_features
+
+    target = TargetModel.from_pretrained(tiny_target_dir, tap_layer_ids=TAPS)
+    rng = random.Random(2)
+    docs = [[rng.randint(3, VOCAB - 1) for _ in range(n)] for n in (17, 0, 5, 40, 1, 23, 40, 9)]
+    got = {i: (t, h) for i, t, h in compute_features(target, docs, batch_tokens=64)}  # several batches
+    assert sorted(got) == list(range(len(docs)))
+    for i, ids in enumerate(docs):
+        t, h = got[i]
+        assert t.shape == (len(ids), 2 * target.hidden_size) and h.shape == (len(ids), target.hidden_size)
+        if not ids:
+            continue
+        ref = target(torch.tensor([ids]), logits_positions=None, return_hidden=True, use_cache=False)
+        # a padded batch row vs the document alone: the same fp32 function up to rounding
+        torch.testing.assert_close(t, ref.taps[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(h, ref.hidden[0], rtol=1e-5, atol=1e-5)
+
+
 def test_cached_features_loss_and_grads_equal_the_online_path(
     tiny_target_dir: Path, dataset: Path, tmp_path: Path
 ) -> None:

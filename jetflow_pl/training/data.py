@@ -443,7 +443,7 @@ class DistillDataModule(LightningDataModule):
         num_workers: int = 0,
         teacher_cache: str | None = None,
         teacher_cache_dtype: str = DEFAULT_STORAGE_DTYPE,
-        teacher_cache_shard_mb: float = 256.0,
+        teacher_cache_shard_mb: float = 128.0,
         teacher_cache_batch_tokens: int = 4096,
         teacher_cache_device: str | None = None,
     ) -> None:

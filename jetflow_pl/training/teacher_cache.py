@@ -313,18 +313,25 @@ def _forward_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int
 def compute_features(
     target, docs: Sequence[Sequence[int]], batch_tokens: int = 4096
 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """Yield `(i, taps [S_i, n*H], hidden [S_i, H])` per document, positions from 0, in input order.
+    """Yield `(i, taps [S_i, n*H], hidden [S_i, H])` for every document `i`, positions from 0.
 
-    Documents go through the target in right-padded batches of at most `batch_tokens` padded tokens;
-    each document is its own row (causal attention never reaches the padding after it), so its values
+    Documents go through the target in right-padded batches of at most `batch_tokens` padded tokens,
+    grouped by length (so little compute goes to padding; the yield order is therefore not `i` order).
+    Each document is its own row (causal attention never reaches the padding after it), so its values
     equal a forward over that document alone, up to float rounding. Only one batch is alive at a time.
     """
     device = target.device
-    for group in _forward_batches([len(d) for d in docs], batch_tokens):
-        longest = max(len(docs[i]) for i in group)
-        ids = torch.zeros(len(group), longest, dtype=torch.long)
-        att = torch.zeros(len(group), longest, dtype=torch.long)
-        for r, i in enumerate(group):
+    order = sorted((i for i in range(len(docs)) if len(docs[i])), key=lambda i: len(docs[i]))
+    for i in range(len(docs)):
+        if not len(docs[i]):  # an empty document (never trained on): nothing to run
+            n_taps = len(target.tap_layer_ids) * target.hidden_size
+            yield i, torch.zeros(0, n_taps), torch.zeros(0, target.hidden_size)
+    for group in _forward_batches([len(docs[i]) for i in order], batch_tokens):
+        members = [order[g] for g in group]
+        longest = max(len(docs[i]) for i in members)
+        ids = torch.zeros(len(members), longest, dtype=torch.long)
+        att = torch.zeros(len(members), longest, dtype=torch.long)
+        for r, i in enumerate(members):
             ids[r, : len(docs[i])] = torch.as_tensor(docs[i], dtype=torch.long)
             att[r, : len(docs[i])] = 1
         res = target(
@@ -334,7 +341,7 @@ def compute_features(
             return_hidden=True,
             use_cache=False,
         )
-        for r, i in enumerate(group):
+        for r, i in enumerate(members):
             n = len(docs[i])
             yield i, res.taps[r, :n], res.hidden[r, :n]
         del res
@@ -347,7 +354,7 @@ def build_teacher_cache(
     dataset,
     *,
     storage_dtype: str = DEFAULT_STORAGE_DTYPE,
-    shard_mb: float = 256.0,
+    shard_mb: float = 128.0,
     batch_tokens: int = 4096,
     device: str | torch.device | None = None,
     progress: bool = True,
@@ -467,16 +474,14 @@ def build_teacher_cache(
             taps = torch.empty(n_tok, n_taps * H, dtype=storage)
             hidden = torch.empty(n_tok, H, dtype=storage)
             offsets = torch.zeros(len(docs) + 1, dtype=torch.long)
-            pos = 0
+            offsets[1:] = torch.tensor([len(d) for d in docs], dtype=torch.long).cumsum(0)
             for j, tp, hd in compute_features(target, docs, batch_tokens):
                 _check_range(tp, storage, "taps", target.tap_layer_ids, H)
                 _check_range(hd, storage, "the final hidden state", target.tap_layer_ids, H)
-                n = tp.shape[0]
-                taps[pos : pos + n] = tp.to(storage).cpu()
-                hidden[pos : pos + n] = hd.to(storage).cpu()
-                pos += n
-                offsets[j + 1] = pos
-                bar.update(n)
+                a0, a1 = int(offsets[j]), int(offsets[j + 1])
+                taps[a0:a1] = tp.to(storage).cpu()
+                hidden[a0:a1] = hd.to(storage).cpu()
+                bar.update(a1 - a0)
             max_bytes = max(max_bytes, taps.nbytes + hidden.nbytes)
             path = shard_dir / sh["file"]
             tmp = shard_dir / f".tmp-{os.getpid()}-{sh['file']}"
