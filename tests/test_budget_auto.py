@@ -150,11 +150,19 @@ def test_chooser_picks_ar_when_drafting_cannot_pay():
     assert brute_force_best(cost, tau, pol.min_gain) == 0
     assert pol.best() == 0
     assert all(v < 1.0 for k, v in pol.speeds().items() if k)
-    # and in play: every round is AR (budget 1, the next rung, is too far behind to be worth a look)
+    # in play, with the observations agreeing (nothing accepted): AR, except for the session's probes,
+    # which come at doubling intervals (16, 48, 112, 240) and are the only rounds that draft
+    played = []
     for _ in range(300):
         k = pol.choose()
-        assert k == 0
-        pol.observe(DraftTree.chain([5]), [0])
+        played.append(k)
+        pol.observe(DraftTree.chain([5] * (k + 1)), [0])
+    probes = [i for i, k in enumerate(played) if k]
+    assert probes == [16, 48, 112, 240], probes
+    assert {played[i] for i in probes} == {pol.probe_budget()}
+    # what exploring cost, in AR steps, over the whole session: a few percent, shrinking with its length
+    extra = sum(cost.cost(played[i]) - 1.0 for i in probes)
+    assert extra / len(played) < 0.05
 
 
 @pytest.mark.parametrize(
@@ -205,15 +213,31 @@ def test_online_estimate_overrides_a_wrong_prior():
     (prior_weight pseudo-rounds per budget) the policy settles on AR."""
     cost = linear_cost(0.05, 0.3)
     optimistic = {k: min(1.0 + k, 4.0) for k in LADDER_BUDGETS if k}
-    pol = started(AutoBudget(cost, prior_of(optimistic), prior_weight=4))
+    pol = started(AutoBudget(cost, prior_of(optimistic)))
     played = []
     for _ in range(120):
         k = pol.choose()
         played.append(k)
         pol.observe(DraftTree.chain([1] * (k + 1)), [0])
     assert played[0] > 0
-    assert played[-60:].count(0) >= 55, played
-    assert max(played[-60:]) <= 1  # at most a cheap look at budget 1 now and then
+    late = played[-60:]
+    assert late.count(0) >= 55, played
+    assert set(late) <= {0, 1, pol.probe_budget()}  # AR, a cheap look one rung up, or a session probe
+
+
+def test_probing_recovers_from_a_pessimistic_prior():
+    """A prior from other data says the head is useless; on this data every round would accept 3 drafts.
+    The first session probe measures it, and from then on the policy drafts."""
+    cost = linear_cost(0.05, 0.3)
+    pol = started(AutoBudget(cost, prior_of({k: 1.0 for k in LADDER_BUDGETS if k})))
+    played = []
+    for _ in range(80):
+        k = pol.choose()
+        played.append(k)
+        pol.observe(DraftTree.chain(list(range(k + 1))), list(range(min(k, 3) + 1)))
+    assert played[:16] == [0] * 16 and played[16] == pol.probe_budget()
+    assert all(k > 0 for k in played[17:]), played
+    assert pol.best() == brute_force_best(cost, {1: 2.0, 2: 3.0, 4: 4.0}, pol.min_gain)
 
 
 def test_without_prior_it_probes_then_learns_from_the_probe():
@@ -235,7 +259,10 @@ def test_exploration_revisits_the_next_budget_with_backoff():
     then, less often while exploring does not change the choice."""
     cost = linear_cost(0.01, 0.3)
     # every round accepts 2 drafts whatever the budget (k >= 2): tau(k) = min(1 + k, 3), as the prior says
-    pol = started(AutoBudget(cost, prior_of({1: 2.0, 2: 3.0}), explore_every=4, max_explore_every=16))
+    pol = AutoBudget(
+        cost, prior_of({1: 2.0, 2: 3.0}), explore_every=4, max_explore_every=16, probe_every=10**6
+    )
+    started(pol)  # session probes off: this test is about the rung above
     best = pol.best()
     assert best == 2  # tau flat from 2 on, cost rising: the smallest budget reaching tau 3
     played = []
@@ -368,13 +395,18 @@ def test_auto_sampling_matches_the_ar_distribution(tiny):
 
 def test_auto_falls_back_to_ar_without_a_single_draft_forward(tiny):
     target, ps, refs = tiny
-    backend = CountingBackend(target, make_head(target))
     useless = prior_of({k: 1.0 for k in LADDER_BUDGETS if k})
-    gen = SpeculativeGenerator(backend, AutoBudget(linear_cost(0.05, 1.0), useless), eos_token_id=EOS)
-    for p, ref in zip(ps, refs, strict=True):
-        res = gen.generate(p, 24)
-        assert res.tokens == ref and set(res.budgets) == {0}
-    assert backend.drafts == 0
+    for probe_every, max_probes in ((10**6, 0), (16, 4)):  # session probes off, then the default schedule
+        backend = CountingBackend(target, make_head(target))
+        pol = AutoBudget(linear_cost(0.05, 1.0), useless, probe_every=probe_every)
+        gen = SpeculativeGenerator(backend, pol, eos_token_id=EOS)
+        drafted = 0
+        for p, ref in zip(ps, refs, strict=True):
+            res = gen.generate(p, 24)
+            assert res.tokens == ref
+            drafted += sum(1 for k in res.budgets if k)
+        # a budget-0 round runs no head forward at all: the only drafts are the probes
+        assert backend.drafts == drafted <= max_probes
 
 
 def test_auto_with_the_string_measures_and_caches_a_profile(tiny, tmp_path, monkeypatch):
@@ -404,11 +436,21 @@ def test_a_session_probes_once_then_learns_across_generations():
         pol.observe(DraftTree.chain(list(range(k + 1))), list(range(min(k, 2) + 1)))
     best = pol.best()
     assert best == brute_force_best(cost, {1: 2.0, 2: 3.0}, pol.min_gain) != probe
-    pol.start(FakeBackend())  # the next generation: no probing, the merged prior already knows
-    assert pol.prior is not None and pol.prior.at(2) == pytest.approx(3.0)
+    pol.start(FakeBackend())  # the next generation: no probing, the session's rounds already tell
+    assert pol.stats.mean(2) == pytest.approx(3.0) and pol.stats.count(2) == 6
     assert pol.choose() == best
     frozen = started(AutoBudget(cost, None, learn=False))
     frozen.choose()
     frozen.observe(DraftTree.chain([0, 1, 2]), [0, 1, 2])
     frozen.start(FakeBackend())
-    assert frozen.prior is None and frozen.choose() == frozen.probe_budget()
+    assert frozen.stats.count(2) == 0 and frozen.choose() == frozen.probe_budget()
+
+
+def test_memory_fades_old_rounds_so_the_estimate_follows_the_data():
+    """64 rounds accepting nothing, then 64 accepting 3 drafts: with memory 16 the estimate follows the
+    recent rounds, not the average of all 128."""
+    pol = started(AutoBudget(linear_cost(0.05, 0.3), None, memory=16, probe_rounds=0))
+    for accepted in ([0],) * 64 + ([0, 1, 2, 3],) * 64:
+        pol.observe(DraftTree.chain(list(range(9))), accepted)
+    assert pol.stats.count(8) == 16
+    assert pol.stats.mean(8) > 3.5  # the last rounds dominate (the plain average would be 2.5)

@@ -17,14 +17,17 @@ node id > k, and one verified round at budget K tells the accept length of every
 It does not hold for branch-conditioned refinement (a refined tree is a selection, not a prefix), so
 `auto` refuses `refine_factor`.
 
-The estimate of tau(k) is per generation: the mean accept length at k over this generation's rounds,
-shrunk toward a prior (`AcceptanceProfile`, e.g. a calibration file saved beside the head) with
-`prior_weight` pseudo-rounds; with `learn` (default) each generation's rounds are folded into the prior
-of the next. Without a prior the first `probe_rounds` rounds use a probe budget (the
-largest one costing at most `probe_cost` AR steps) to learn the profile. Budgets above the current
-choice are never observed by playing it, so their estimates could go stale: every `explore_every`
-rounds the next larger candidate is played once if its estimate is within `explore_margin` of the best;
-the interval doubles (to `max_explore_every`) while exploring does not change the choice.
+The estimate of tau(k) is the mean accept length at k over the rounds seen, shrunk toward a prior
+(`AcceptanceProfile`, e.g. a calibration file saved beside the head) worth `prior_weight` pseudo-rounds,
+so evidence from this data outweighs a prior measured on other data within a few rounds. With `learn`
+(default) the rounds of earlier generations count too, fading out over `memory` rounds per budget;
+without it each generation starts from the prior alone. With no prior and nothing seen yet the first
+`probe_rounds` rounds use the probe budget (the largest one costing at most `probe_cost` AR steps). Budgets above the current
+choice are never observed by playing it, so their estimates could go stale (or a prior from other data
+could be wrong): every `explore_every` rounds the next larger candidate is played once if its estimate
+is within `explore_margin` of the best, and on a session-wide schedule (`probe_every`, doubling while it
+changes nothing) the probe budget is played whatever the estimates say; both intervals double while
+exploring does not change the choice.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ class AcceptanceStats:
     def __init__(self, budgets: Sequence[int] = LADDER_BUDGETS) -> None:
         self.budgets = tuple(sorted(set(int(k) for k in budgets)))
         self.sums = [0.0] * len(self.budgets)
-        self.counts = [0] * len(self.budgets)
+        self.counts: list[float] = [0] * len(self.budgets)
 
     def observe(self, accepted: Sequence[int], tree_budget: int) -> None:
         """Record one verified round: `accepted` node ids (root first) of a tree of `tree_budget` drafts."""
@@ -78,12 +81,19 @@ class AcceptanceStats:
             self.sums[i] += accept_length_at(accepted, k)
             self.counts[i] += 1
 
+    def fade(self, memory: int) -> None:
+        """Keep at most `memory` rounds' worth per budget, older ones counting less (means unchanged)."""
+        for i, c in enumerate(self.counts):
+            if c > memory:
+                self.sums[i] *= memory / c
+                self.counts[i] = memory
+
     def mean(self, budget: int) -> float | None:
         """Mean accept length at `budget` (None if never observed)."""
         i = self.budgets.index(budget)
         return self.sums[i] / self.counts[i] if self.counts[i] else None
 
-    def count(self, budget: int) -> int:
+    def count(self, budget: int) -> float:
         return self.counts[self.budgets.index(budget)]
 
     def to_profile(self, width: int, **meta: Any) -> AcceptanceProfile:
@@ -94,7 +104,7 @@ class AcceptanceStats:
         return AcceptanceProfile(
             budgets=[self.budgets[i] for i in seen],
             tau=[self.sums[i] / self.counts[i] for i in seen],
-            rounds=[self.counts[i] for i in seen],
+            rounds=[round(self.counts[i]) for i in seen],
             width=int(width),
             **meta,
         )
@@ -167,26 +177,6 @@ class AcceptanceProfile:
         return prof
 
 
-def merge_acceptance(prior: AcceptanceProfile | None, stats: AcceptanceStats) -> AcceptanceProfile:
-    """`prior` updated with the rounds in `stats`: per budget, the round-weighted mean of the prior's tau
-    (stepwise `at`, over `rounds_at` rounds) and the observed accept lengths. Budgets only the prior
-    knows keep their values. (Budgets observed in different numbers of rounds can come out out of order;
-    `AutoBudget.estimates` makes its estimate non-decreasing in k.)"""
-    budgets = sorted(
-        set(prior.budgets if prior is not None else []) | {k for k in stats.budgets if stats.count(k)}
-    )
-    tau, rounds = [], []
-    for k in budgets:
-        r_p = prior.rounds_at(k) if prior is not None else 0
-        t_p = prior.at(k) if prior is not None else 0.0
-        n = stats.count(k) if k in stats.budgets else 0
-        s = stats.sums[stats.budgets.index(k)] if n else 0.0
-        tau.append((t_p * r_p + s) / (r_p + n) if r_p + n else 1.0)
-        rounds.append(r_p + n)
-    width = prior.width if prior is not None else 0
-    return AcceptanceProfile(budgets=budgets, tau=tau, rounds=rounds, width=width, note="merged online")
-
-
 # --------------------------------------------------------------------------------------------------
 # policies
 # --------------------------------------------------------------------------------------------------
@@ -246,12 +236,17 @@ class AutoBudget:
         prior_weight: pseudo-rounds the prior counts for (at most the rounds it was measured on).
         probe_rounds, probe_cost: without a prior, the first rounds play the largest budget costing at
             most `probe_cost` AR steps.
-        explore_every, max_explore_every, explore_margin: re-exploring the next larger budget.
+        explore_every, max_explore_every, explore_margin: re-exploring the next larger budget (when its
+            estimate is within `explore_margin` of the best; per generation, interval doubling).
+        probe_every, max_probe_every: re-probing at the probe budget whatever the estimates say, on a
+            session-wide schedule that doubles while probing does not change the choice: this is what
+            recovers from a wrong prior (one probe at K measures every k <= K), at a cost of at most
+            `probe_cost` AR steps per probe, i.e. O(log rounds) probes over a session.
         min_gain: a budget must be expected to beat AR by this factor to be played instead of AR (the
             margin covers timing noise in the cost profile).
         cap: never choose more than this (None: the cost profile's ladder, capped by the backend).
-        learn: fold each generation's observations into the prior of the next (`merge_acceptance`), so a
-            session of many prompts probes only once without a prior and sharpens one it was given.
+        learn, memory: keep the rounds of earlier generations (the most recent `memory` per budget), so a
+            session of many prompts probes only once without a prior and adapts to the data it decodes.
 
     `max_budget` (the `BudgetPolicy` attribute) is None: the candidates are capped by the backend in
     `start`, so no budget this policy picks can exceed the backend's limit.
@@ -266,18 +261,21 @@ class AutoBudget:
         *,
         cost_profile_path: str | Path | None = None,
         cache_dir: str | Path | None = None,
-        prior_weight: float = 8.0,
+        prior_weight: float = 2.0,
         probe_rounds: int = 2,
         probe_cost: float = 4.0,
         explore_every: int = 4,
         max_explore_every: int = 64,
         explore_margin: float = 0.25,
+        probe_every: int = 16,
+        max_probe_every: int = 1024,
         min_gain: float = 1.05,
         cap: int | None = None,
         learn: bool = True,
+        memory: int = 64,
     ) -> None:
-        if prior_weight < 0 or probe_rounds < 0 or probe_cost < 1 or explore_every < 1:
-            raise ValueError("prior_weight, probe_rounds >= 0; probe_cost, explore_every >= 1")
+        if prior_weight < 0 or probe_rounds < 0 or probe_cost < 1 or explore_every < 1 or probe_every < 1:
+            raise ValueError("prior_weight, probe_rounds >= 0; probe_cost, explore_every, probe_every >= 1")
         if not 0 <= explore_margin < 1 or min_gain < 1:
             raise ValueError("explore_margin must be in [0, 1) and min_gain >= 1")
         self.cost = cost
@@ -290,9 +288,16 @@ class AutoBudget:
         self.explore_every = int(explore_every)
         self.max_explore_every = max(int(max_explore_every), self.explore_every)
         self.explore_margin = float(explore_margin)
+        self.probe_every = int(probe_every)
+        self.max_probe_every = max(int(max_probe_every), self.probe_every)
+        # session-wide probing schedule (kept across generations)
+        self._session_round = 0
+        self._probe_interval = self.probe_every
+        self._next_probe_at = self.probe_every
         self.min_gain = float(min_gain)
         self.cap = cap
         self.learn = bool(learn)
+        self.memory = max(1, int(memory))
         self.candidates: list[int] = [0]
         self.stats = AcceptanceStats([0])
         self._resolved_for: int | None = None
@@ -304,8 +309,10 @@ class AutoBudget:
         # the prior stands for a recent look at every budget: the first exploration waits an interval
         self._last_seen = {k: 0 for k in self.candidates}
         self._interval = self.explore_every
-        self._probes_left = self.probe_rounds if self.prior is None else 0
+        seen = any(self.stats.counts[1:])
+        self._probes_left = self.probe_rounds if self.prior is None and not seen else 0
         self._explored_from: int | None = None
+        self._probing = False
         self._last_choice = 0
 
     def start(self, backend: DecodeBackend) -> None:
@@ -320,10 +327,10 @@ class AutoBudget:
         if self.cap is not None:
             limit = min(limit, int(self.cap))
         can_draft = backend.block_size >= 2
-        if self.learn and any(self.stats.counts[1:]):  # what the last generation saw informs the next
-            self.prior = merge_acceptance(self.prior, self.stats)
-        self.candidates = [k for k in self.cost.budgets if k == 0 or (can_draft and k <= limit)]
-        self.stats = AcceptanceStats(self.candidates)
+        candidates = [k for k in self.cost.budgets if k == 0 or (can_draft and k <= limit)]
+        if not self.learn or candidates != self.candidates:
+            self.stats = AcceptanceStats(candidates)
+        self.candidates = candidates
         self._reset_generation()
 
     # ---- estimates --------------------------------------------------------------------------------
@@ -372,6 +379,7 @@ class AutoBudget:
         if self.cost is None:
             raise RuntimeError("AutoBudget.choose() before start(backend)")
         self._explored_from = None
+        self._probing = False
         self._last_choice = self._pick()
         return self._last_choice
 
@@ -380,6 +388,10 @@ class AutoBudget:
             self._probes_left -= 1
             return self.probe_budget()
         best = self.best()
+        probe = self.probe_budget()
+        if self._session_round >= self._next_probe_at and probe > best:
+            self._explored_from, self._probing = best, True
+            return probe
         above = [k for k in self.candidates if k > best]
         if above:
             up = above[0]
@@ -392,6 +404,7 @@ class AutoBudget:
 
     def observe(self, tree: DraftTree, accepted: Sequence[int]) -> None:
         self.stats.observe(accepted, tree.budget)
+        self.stats.fade(self.memory)
         # a budget counts as visited when it was played even if the tree came out smaller (near the end
         # of the context): otherwise an exploration that cannot happen would be retried every round
         visited = max(tree.budget, self._last_choice)
@@ -400,10 +413,20 @@ class AutoBudget:
                 self._last_seen[k] = self._round
         if self._explored_from is not None:
             changed = self.best() != self._explored_from
-            self._interval = (
-                self.explore_every if changed else min(2 * self._interval, self.max_explore_every)
-            )
+            if self._probing:
+                self._probe_interval = (
+                    self.probe_every if changed else min(2 * self._probe_interval, self.max_probe_every)
+                )
+                self._next_probe_at = self._session_round + self._probe_interval
+            else:
+                self._interval = (
+                    self.explore_every if changed else min(2 * self._interval, self.max_explore_every)
+                )
+        if self._session_round >= self._next_probe_at and self.probe_budget() <= self.best():
+            # nothing above the choice to probe: look again one interval later
+            self._next_probe_at = self._session_round + self._probe_interval
         self._round += 1
+        self._session_round += 1
 
     # ---- reporting --------------------------------------------------------------------------------
     def predicted_speedup(self, budgets: Sequence[int], accept_lengths: Sequence[int]) -> float:
