@@ -454,3 +454,22 @@ def test_memory_fades_old_rounds_so_the_estimate_follows_the_data():
         pol.observe(DraftTree.chain(list(range(9))), accepted)
     assert pol.stats.count(8) == 16
     assert pol.stats.mean(8) > 3.5  # the last rounds dominate (the plain average would be 2.5)
+
+
+def test_promising_probes_repeat_until_a_modest_gain_overturns_the_prior():
+    """A pessimistic prior, and data where drafting wins only ~1.4x (a draft costing one AR step): one
+    probe is not enough evidence, so probes that beat the choice are repeated at once, and the policy
+    is drafting a few rounds after the first probe instead of after a doubling schedule."""
+    cost = linear_cost(0.05, 1.0)
+    pol = started(AutoBudget(cost, prior_of({k: 1.0 for k in LADDER_BUDGETS if k}, rounds=100)))
+    played = []
+    for _ in range(60):
+        k = pol.choose()
+        played.append(k)
+        pol.observe(DraftTree.chain(list(range(k + 1))), list(range(min(k, 2) + 1)))
+    first = played.index(pol.probe_budget())
+    assert first == 16
+    switched = next(i for i in range(first, len(played)) if 0 < played[i] != pol.probe_budget())
+    assert switched - first <= 6, played
+    assert all(k > 0 for k in played[switched:])
+    assert pol.best() == brute_force_best(cost, {1: 2.0, 2: 3.0}, pol.min_gain)

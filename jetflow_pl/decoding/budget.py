@@ -27,7 +27,8 @@ choice are never observed by playing it, so their estimates could go stale (or a
 could be wrong): every `explore_every` rounds the next larger candidate is played once if its estimate
 is within `explore_margin` of the best, and on a session-wide schedule (`probe_every`, doubling while it
 changes nothing) the probe budget is played whatever the estimates say; both intervals double while
-exploring does not change the choice.
+exploring does not change the choice, except that a probe round that on its own beat the current choice
+is followed by another probe (the estimate is behind the data: cheap, since such rounds are fast).
 """
 
 from __future__ import annotations
@@ -414,10 +415,20 @@ class AutoBudget:
         if self._explored_from is not None:
             changed = self.best() != self._explored_from
             if self._probing:
-                self._probe_interval = (
-                    self.probe_every if changed else min(2 * self._probe_interval, self.max_probe_every)
+                # a probe round that by itself beat the current choice is evidence the estimate is behind
+                # (a prior from other data, say): probe again next round, until the choice moves or a
+                # probe disagrees. Such rounds cost nothing (they were faster than the choice); a probe
+                # that disagrees backs the schedule off, so a useless head pays O(log rounds) probes.
+                promising = self._round_speed(tree, accepted) > self.min_gain * max(
+                    self.speeds()[self._explored_from], 1.0
                 )
-                self._next_probe_at = self._session_round + self._probe_interval
+                if changed or promising:
+                    self._probe_interval = self.probe_every
+                else:
+                    self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
+                self._next_probe_at = self._session_round + (
+                    1 if promising and not changed else self._probe_interval
+                )
             else:
                 self._interval = (
                     self.explore_every if changed else min(2 * self._interval, self.max_explore_every)
@@ -427,6 +438,18 @@ class AutoBudget:
             self._next_probe_at = self._session_round + self._probe_interval
         self._round += 1
         self._session_round += 1
+
+    def _round_speed(self, tree: DraftTree, accepted: Sequence[int]) -> float:
+        """The best speed this one round would have had at any candidate budget it covered."""
+        assert self.cost is not None
+        return max(
+            (
+                accept_length_at(accepted, k) / self.cost.cost(k)
+                for k in self.candidates
+                if 0 < k <= tree.budget
+            ),
+            default=0.0,
+        )
 
     # ---- reporting --------------------------------------------------------------------------------
     def predicted_speedup(self, budgets: Sequence[int], accept_lengths: Sequence[int]) -> float:
