@@ -118,7 +118,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ns = argparse.Namespace(backend=args.backend, width=args.width, engine_dir=args.engine_dir)
     backend, ar_backend = _backends(ns, target, head)
     if args.backend == "torch":
-        from jetflow_pl.decoding.torch_backend import TorchBackend
+        from jetflow_pl.runtime.torch_backend import TorchBackend
 
         ar_backend = TorchBackend(target)
 

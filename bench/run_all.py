@@ -53,8 +53,8 @@ from data_gen.toy import SMALL_HEAD_DIR, SMALL_TARGET_DIR, code_corpus  # noqa: 
 from data_gen.toy.tokenizer import prompt_ids  # noqa: E402
 from jetflow_pl.checkpoints import load_draft_head  # noqa: E402
 from jetflow_pl.decoding import ARGenerator, SpeculativeGenerator  # noqa: E402
-from jetflow_pl.decoding.torch_backend import TorchBackend  # noqa: E402
 from jetflow_pl.generate_cli import _hf_decode_tokens_per_s  # noqa: E402
+from jetflow_pl.runtime.torch_backend import TorchBackend  # noqa: E402
 from jetflow_pl.tree import DraftTree, build_tree  # noqa: E402
 
 SCHEMA_VERSION = 1
@@ -342,7 +342,7 @@ class Suite:
         a = self.args
         try:
             from export.onnx_export import ExportSettings, export_engine
-            from jetflow_pl.decoding.ort_backend import OnnxRuntimeBackend
+            from jetflow_pl.runtime.ort_backend import OnnxRuntimeBackend
         except ImportError as err:
             return {"skipped": f"ONNX export/runtime not importable: {err}"}
         engine = a.cache_dir / f"engine_portable_{_digest(a.causal_head, a.target)}"

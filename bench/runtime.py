@@ -26,8 +26,8 @@ from bench.decode import domain_prompts, load_target, mean_tau, run_prompts, tok
 from data_gen.toy import SMALL_HEAD_DIR, SMALL_TARGET_DIR  # noqa: E402
 from jetflow_pl.checkpoints import load_draft_head  # noqa: E402
 from jetflow_pl.decoding import ARGenerator, SpeculativeGenerator  # noqa: E402
-from jetflow_pl.decoding.ort_backend import OnnxRuntimeBackend  # noqa: E402
-from jetflow_pl.decoding.torch_backend import TorchBackend  # noqa: E402
+from jetflow_pl.runtime.ort_backend import OnnxRuntimeBackend  # noqa: E402
+from jetflow_pl.runtime.torch_backend import TorchBackend  # noqa: E402
 
 
 def ensure_engine(engine_dir: Path | None, variant: str) -> Path:

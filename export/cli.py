@@ -14,8 +14,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from export.contract import VARIANTS
 from jetflow_pl.errors import UserInputError
+from jetflow_pl.runtime.contract import VARIANTS
 
 
 def build_parser() -> argparse.ArgumentParser:

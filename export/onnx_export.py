@@ -23,19 +23,6 @@ from typing import Any
 import onnx
 import torch
 
-from export.contract import (
-    CONFIG_FILE,
-    HEAD_GRAPH,
-    HEAD_INPUTS,
-    HEAD_OUTPUTS,
-    MIN_OPSET,
-    TARGET_GRAPH,
-    TARGET_INPUTS,
-    TARGET_OUTPUTS,
-    TOKENIZER_DIR,
-    VARIANTS,
-)
-from export.engine_config import FORMAT, FORMAT_VERSION, write_engine_config
 from export.parity import (
     DECODE_CHECK_TEXT,
     OutputCheck,
@@ -48,9 +35,22 @@ from export.parity import (
 )
 from export.tree_attention_onnx import translation_table
 from jetflow_pl.checkpoints import load_draft_head
-from jetflow_pl.decoding.graphs import DraftHeadGraph, TargetVerifyGraph, pair_config
 from jetflow_pl.errors import UserInputError
 from jetflow_pl.head import DraftHead
+from jetflow_pl.runtime.contract import (
+    CONFIG_FILE,
+    HEAD_GRAPH,
+    HEAD_INPUTS,
+    HEAD_OUTPUTS,
+    MIN_OPSET,
+    TARGET_GRAPH,
+    TARGET_INPUTS,
+    TARGET_OUTPUTS,
+    TOKENIZER_DIR,
+    VARIANTS,
+)
+from jetflow_pl.runtime.engine_config import FORMAT, FORMAT_VERSION, write_engine_config
+from jetflow_pl.runtime.graphs import DraftHeadGraph, TargetVerifyGraph, pair_config
 from jetflow_pl.target import TargetModel, _read_config, check_supported
 from jetflow_pl.tree import pack_mask
 
@@ -169,7 +169,7 @@ def head_example(head: DraftHead, target: TargetModel, q: int = 33, t: int = 5, 
 
 
 def _dynamic_shapes(role: str, dims: dict[str, torch.export.Dim]) -> dict[str, dict[int, Any]]:
-    from export.contract import DYNAMIC_AXES
+    from jetflow_pl.runtime.contract import DYNAMIC_AXES
 
     return {
         name: {axis: dims[sym] for axis, sym in axes.items()} for name, axes in DYNAMIC_AXES[role].items()

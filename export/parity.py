@@ -252,7 +252,7 @@ def compare_graph_with_torch(module, example, path, output_names: list[str], rol
     from polygraphy.comparator import Comparator
     from polygraphy.logger import G_LOGGER
 
-    from jetflow_pl.decoding.ort_session import make_session
+    from jetflow_pl.runtime.ort_session import make_session
 
     class CpuTorchRunner(PytRunner):
         """polygraphy's PytRunner moves inputs to CUDA; this one stays on the module's device (CPU)."""
@@ -308,8 +308,8 @@ def greedy_decode_check(engine_dir, head, target, prompt_ids: list[int], tol: fl
     import torch
 
     from jetflow_pl.decoding import ARGenerator, SpeculativeGenerator
-    from jetflow_pl.decoding.ort_backend import OnnxRuntimeBackend
-    from jetflow_pl.decoding.torch_backend import TorchBackend
+    from jetflow_pl.runtime.ort_backend import OnnxRuntimeBackend
+    from jetflow_pl.runtime.torch_backend import TorchBackend
 
     backend = OnnxRuntimeBackend(engine_dir)
     width = min(4, backend.topk)

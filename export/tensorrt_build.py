@@ -32,9 +32,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from export.contract import HEAD_GRAPH, TARGET_GRAPH
-from export.engine_config import load_engine_config, write_engine_config
 from jetflow_pl.errors import MissingPathError, UserInputError
+from jetflow_pl.runtime.contract import HEAD_GRAPH, TARGET_GRAPH
+from jetflow_pl.runtime.engine_config import load_engine_config, write_engine_config
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ def _words(n: int) -> int:
 def profile_shapes(role: str, config: dict[str, Any], limits: ProfileLimits) -> dict[str, tuple[Shape, ...]]:
     """`{input name: (min, opt, max)}` for the `role` ("target" / "head") graph of an engine config.
 
-    Shapes follow `export/contract.py`. Mask words are `ceil(rows / 32)` at each point, which is what
+    Shapes follow `jetflow_pl/runtime/contract.py`. Mask words are `ceil(rows / 32)` at each point, which is what
     `pack_mask` produces and what the runtime feeds.
     """
     lim = limits
@@ -297,7 +297,7 @@ def build_serialized_engine(
     if inputs != set(shapes):
         raise EngineBuildError(
             f"{onnx_path.name} has inputs {sorted(inputs)}, the profile names {sorted(shapes)}: "
-            "the graph does not follow export/contract.py (re-export it)"
+            "the graph does not follow jetflow_pl/runtime/contract.py (re-export it)"
         )
     profile = builder.create_optimization_profile()
     for name, (lo, opt, hi) in shapes.items():

@@ -25,7 +25,7 @@ _LAZY = {
     "ARGenerator": "jetflow_pl.decoding.generator",
     "GenerationResult": "jetflow_pl.decoding.generator",
     "SamplingConfig": "jetflow_pl.decoding.sampling",
-    "TorchBackend": "jetflow_pl.decoding.torch_backend",
+    "TorchBackend": "jetflow_pl.runtime.torch_backend",
     "AutoBudget": "jetflow_pl.decoding.budget",
     "FixedBudget": "jetflow_pl.decoding.budget",
     "load_draft_head": "jetflow_pl.checkpoints",
@@ -53,9 +53,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs only; at runtime the names resol
     from jetflow_pl.decoding.budget import AutoBudget, FixedBudget
     from jetflow_pl.decoding.generator import ARGenerator, GenerationResult, SpeculativeGenerator
     from jetflow_pl.decoding.sampling import SamplingConfig
-    from jetflow_pl.decoding.torch_backend import TorchBackend
     from jetflow_pl.errors import UserInputError
     from jetflow_pl.head import DraftHead, DraftHeadConfig
+    from jetflow_pl.runtime.torch_backend import TorchBackend
     from jetflow_pl.target import TargetModel
 
 

@@ -27,9 +27,9 @@ from jetflow_pl.chat import encode_prompt
 from jetflow_pl.checkpoints import load_draft_head
 from jetflow_pl.decoding import ARGenerator, SamplingConfig, SpeculativeGenerator
 from jetflow_pl.decoding.budget import ACCEPTANCE_PROFILE_FILE, AcceptanceProfile, AutoBudget
-from jetflow_pl.decoding.torch_backend import TorchBackend
 from jetflow_pl.errors import MissingPathError, NumericalError, UserInputError
 from jetflow_pl.head import DraftHead, DraftHeadConfig
+from jetflow_pl.runtime.torch_backend import TorchBackend
 from jetflow_pl.target import TargetModel
 from jetflow_pl.tree import Top2GapCap
 
@@ -204,13 +204,13 @@ def _backends(args: argparse.Namespace, target: TargetModel, head: DraftHead):
     if args.backend == "torch":
         return TorchBackend(target, head), TorchBackend(target)
     if args.backend == "graph":
-        from jetflow_pl.decoding.graph_backend import TorchGraphBackend
+        from jetflow_pl.runtime.graph_backend import TorchGraphBackend
 
         backend = TorchGraphBackend(target, head, topk=max(8, args.width))
         return backend, backend
     if args.engine_dir is None:
         raise UserInputError("--backend onnxruntime needs --engine-dir DIR (written by jetflow-export)")
-    from jetflow_pl.decoding.ort_backend import OnnxRuntimeBackend
+    from jetflow_pl.runtime.ort_backend import OnnxRuntimeBackend
 
     try:
         backend = OnnxRuntimeBackend(args.engine_dir)

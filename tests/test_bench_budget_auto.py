@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(
 def test_bench_budget_auto_smoke(tmp_path, monkeypatch):
     from jetflow_pl.checkpoints import load_draft_head
     from jetflow_pl.decoding.cost_profile import measure_cost_profile
-    from jetflow_pl.decoding.torch_backend import TorchBackend
+    from jetflow_pl.runtime.torch_backend import TorchBackend
     from jetflow_pl.target import TargetModel
 
     monkeypatch.setenv("JETFLOW_PL_CACHE_DIR", str(tmp_path / "cache"))

@@ -21,9 +21,9 @@ from jetflow_pl.decoding.budget import (
     resolve_budget,
 )
 from jetflow_pl.decoding.cost_profile import LADDER_NODES, CostProfile
-from jetflow_pl.decoding.torch_backend import TorchBackend
 from jetflow_pl.errors import UserInputError
 from jetflow_pl.head import DraftHead, DraftHeadConfig
+from jetflow_pl.runtime.torch_backend import TorchBackend
 from jetflow_pl.target import TargetModel
 from jetflow_pl.tree import SCORE_QUANTUM, DraftTree, Top2GapCap, accept_greedy, accept_sampling, build_tree
 

@@ -17,9 +17,9 @@ from jetflow_pl.decoding.cost_profile import (
     fingerprint,
     measure_cost_profile,
 )
-from jetflow_pl.decoding.torch_backend import TorchBackend
 from jetflow_pl.errors import UserInputError
 from jetflow_pl.head import DraftHead, DraftHeadConfig
+from jetflow_pl.runtime.torch_backend import TorchBackend
 from jetflow_pl.target import TargetModel
 
 SMALL_LADDER = (1, 2, 5, 17)
@@ -166,7 +166,7 @@ def test_ladder_leaves_room_in_the_context(backend):
 
 
 def test_graph_backend_is_measured_through_the_same_protocol(target):
-    from jetflow_pl.decoding.graph_backend import TorchGraphBackend
+    from jetflow_pl.runtime.graph_backend import TorchGraphBackend
 
     graph = TorchGraphBackend(target, head_for(target), topk=4)
     prof = quick(graph)

@@ -8,8 +8,8 @@ from conftest import TINY_VOCAB
 from transformers import AutoModelForCausalLM
 
 from jetflow_pl.decoding import ARGenerator, SamplingConfig, SpeculativeGenerator
-from jetflow_pl.decoding.torch_backend import TorchBackend
 from jetflow_pl.head import DraftHead, DraftHeadConfig
+from jetflow_pl.runtime.torch_backend import TorchBackend
 from jetflow_pl.target import TargetModel
 from jetflow_pl.tree import DraftTree, Top2GapCap
 

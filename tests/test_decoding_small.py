@@ -12,8 +12,8 @@ import data_gen.toy
 from data_gen.toy.splits import heldout_prompts
 from data_gen.toy.tokenizer import mask_token_id, prompt_ids
 from jetflow_pl.decoding import SpeculativeGenerator
-from jetflow_pl.decoding.torch_backend import TorchBackend
 from jetflow_pl.head import DraftHead, DraftHeadConfig
+from jetflow_pl.runtime.torch_backend import TorchBackend
 from jetflow_pl.target import TargetModel
 
 SMALL = Path(data_gen.toy.__file__).parent / "assets" / "small"

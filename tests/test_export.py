@@ -18,7 +18,10 @@ from transformers import AutoTokenizer
 from data_gen.toy import SMALL_HEAD_DIR, SMALL_TARGET_DIR, heldout_prompts
 from data_gen.toy.tokenizer import prompt_ids
 from export.cli import main as export_main
-from export.contract import (
+from export.onnx_export import ExportSettings, export_engine
+from jetflow_pl.decoding.generator import SpeculativeGenerator
+from jetflow_pl.head import DraftHead
+from jetflow_pl.runtime.contract import (
     CONFIG_FILE,
     DYNAMIC_AXES,
     HEAD_GRAPH,
@@ -30,14 +33,11 @@ from export.contract import (
     TREE_ATTENTION_DOMAIN,
     TREE_ATTENTION_OP,
 )
-from export.engine_config import load_engine_config
-from export.onnx_export import ExportSettings, export_engine
-from jetflow_pl.decoding.generator import SpeculativeGenerator
-from jetflow_pl.decoding.graph_backend import TorchGraphBackend
-from jetflow_pl.decoding.ort_backend import OnnxRuntimeBackend
-from jetflow_pl.decoding.ort_session import make_session
-from jetflow_pl.decoding.torch_backend import TorchBackend
-from jetflow_pl.head import DraftHead
+from jetflow_pl.runtime.engine_config import load_engine_config
+from jetflow_pl.runtime.graph_backend import TorchGraphBackend
+from jetflow_pl.runtime.ort_backend import OnnxRuntimeBackend
+from jetflow_pl.runtime.ort_session import make_session
+from jetflow_pl.runtime.torch_backend import TorchBackend
 from jetflow_pl.target import TargetModel
 from jetflow_pl.tree import DraftTree, build_tree
 
@@ -173,7 +173,7 @@ def test_verify_graph_matches_hf_target_on_a_wide_tree_after_a_prefix(engines, p
     tree = DraftTree.from_parents(torch.randint(3, 2000, (n,), generator=gen), torch.tensor(parents))
     got = backend.verify(tree)
 
-    from jetflow_pl.kv_cache import new_cache
+    from jetflow_pl.runtime.hf_cache import new_cache
 
     cache = new_cache(target.config)
     target(prompt[None], cache=cache, logits_positions=None)

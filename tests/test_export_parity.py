@@ -191,7 +191,7 @@ def test_the_greedy_decode_check_refuses_a_backend_that_changes_a_token(tmp_path
     """Passes on the honest export, fails when the ONNX Runtime logits are pushed off one token's argmax."""
     from export.onnx_export import decode_check_prompt, load_pair
     from export.parity import target_tolerance
-    from jetflow_pl.decoding.ort_backend import OnnxRuntimeBackend
+    from jetflow_pl.runtime.ort_backend import OnnxRuntimeBackend
 
     out = export_engine(
         ExportSettings(head=SMALL_HEAD_DIR, target=SMALL_TARGET_DIR, out=tmp_path / "e", variant="portable")

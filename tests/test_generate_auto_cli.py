@@ -73,7 +73,7 @@ def quick_profile(tmp_path_factory) -> Path:
     below are about acceptance profiles, not about measuring costs."""
     from jetflow_pl.checkpoints import load_draft_head
     from jetflow_pl.decoding.cost_profile import measure_cost_profile
-    from jetflow_pl.decoding.torch_backend import TorchBackend
+    from jetflow_pl.runtime.torch_backend import TorchBackend
     from jetflow_pl.target import TargetModel
 
     target = TargetModel.from_pretrained(SMALL)

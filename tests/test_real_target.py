@@ -25,10 +25,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 from data_gen import real_target
 from jetflow_pl import gguf_import
 from jetflow_pl.decoding import ARGenerator, SpeculativeGenerator
-from jetflow_pl.decoding.torch_backend import TorchBackend
 from jetflow_pl.errors import MissingPathError, UserInputError
 from jetflow_pl.gguf_import import MARKER_FILE, is_materialized, materialize_gguf
 from jetflow_pl.head import DraftHead, DraftHeadConfig
+from jetflow_pl.runtime.torch_backend import TorchBackend
 from jetflow_pl.target import TargetModel
 from jetflow_pl.tokens import (
     chat_template_ids,

@@ -14,9 +14,9 @@ from transformers import AutoModelForCausalLM
 
 from jetflow_pl.decoding import ARGenerator, SamplingConfig, SpeculativeGenerator
 from jetflow_pl.decoding.generator import DEFAULT_MAX_BUDGET
-from jetflow_pl.decoding.torch_backend import TorchBackend
 from jetflow_pl.errors import NumericalError, UserInputError
 from jetflow_pl.head import DraftHead, DraftHeadConfig
+from jetflow_pl.runtime.torch_backend import TorchBackend
 from jetflow_pl.target import TargetModel
 
 MASK_ID = TINY_VOCAB - 1  # the mask token is the last id of the vocabulary

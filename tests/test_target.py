@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, BertConfig, LlamaConfig, LlamaForCausalLM
 
-from jetflow_pl.kv_cache import cache_length, compact_cache
+from jetflow_pl.runtime.hf_cache import cache_length, compact_cache
 from jetflow_pl.target import TargetModel
 
 

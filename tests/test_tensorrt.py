@@ -23,7 +23,6 @@ import pytest
 import torch
 
 from data_gen.toy import SMALL_HEAD_DIR, SMALL_TARGET_DIR
-from export.contract import HEAD_GRAPH, HEAD_INPUTS, TARGET_GRAPH, TARGET_INPUTS
 from export.tensorrt_build import (
     NO_TENSORRT,
     PLUGIN_LIB_ENV,
@@ -32,8 +31,9 @@ from export.tensorrt_build import (
     require_tensorrt,
     resolve_plugin_lib,
 )
-from jetflow_pl.decoding.tensorrt_backend import TensorRTBackend, check_tree_size, tensorrt_available
 from jetflow_pl.errors import UserInputError
+from jetflow_pl.runtime.contract import HEAD_GRAPH, HEAD_INPUTS, TARGET_GRAPH, TARGET_INPUTS
+from jetflow_pl.runtime.tensorrt_backend import TensorRTBackend, check_tree_size, tensorrt_available
 
 REPO = Path(__file__).resolve().parents[1]
 HAS_TENSORRT = importlib.util.find_spec("tensorrt") is not None
@@ -198,7 +198,7 @@ class OrtStandInEngine:
     _TYPES = {"tensor(float)": torch.float32, "tensor(int64)": torch.int64, "tensor(int32)": torch.int32}
 
     def __init__(self, path: Path, shapes: dict) -> None:
-        from jetflow_pl.decoding.ort_session import make_session
+        from jetflow_pl.runtime.ort_session import make_session
 
         self.session = make_session(path, intra_op_threads=1)
         self.shapes = shapes
@@ -242,7 +242,7 @@ class OrtStandInEngine:
 
 
 def stand_in_backend(engine_dir: Path, max_tree: int, max_context: int | None = None) -> TensorRTBackend:
-    from export.engine_config import load_engine_config
+    from jetflow_pl.runtime.engine_config import load_engine_config
 
     config = load_engine_config(engine_dir)
     limits = ProfileLimits.make(max_tree, max_context or int(config["max_positions"]))
@@ -266,7 +266,7 @@ def parity_prompts() -> list[list[int]]:
 def test_backend_bookkeeping_matches_onnxruntime_backend(portable_engine_dir, parity_prompts):
     """Same graphs, same decode loop: only the backend's buffers, caches and prefill chunking differ."""
     from jetflow_pl.decoding.generator import SpeculativeGenerator
-    from jetflow_pl.decoding.ort_backend import OnnxRuntimeBackend
+    from jetflow_pl.runtime.ort_backend import OnnxRuntimeBackend
 
     reference = OnnxRuntimeBackend(portable_engine_dir, intra_op_threads=1)
     # max_tree 40: prompts longer than 40 tokens are prefilled in chunks; budget 32 trees fit
@@ -311,8 +311,8 @@ def test_backend_refuses_a_tree_larger_than_the_profile(portable_engine_dir):
 def test_portable_graph_parses_and_builds_with_tensorrt_rtx(portable_engine_dir, role):
     import tensorrt_rtx
 
-    from export.engine_config import load_engine_config
     from export.tensorrt_build import build_serialized_engine
+    from jetflow_pl.runtime.engine_config import load_engine_config
 
     config = load_engine_config(portable_engine_dir)
     limits = ProfileLimits.make(max_tree=64, max_context=int(config["max_positions"]))
@@ -337,8 +337,8 @@ def _skip_without_tensorrt_gpu() -> None:
 @pytest.fixture(scope="module")
 def torch_results(parity_prompts) -> dict[int, list]:
     from jetflow_pl.decoding.generator import SpeculativeGenerator
-    from jetflow_pl.decoding.torch_backend import TorchBackend
     from jetflow_pl.head import DraftHead
+    from jetflow_pl.runtime.torch_backend import TorchBackend
     from jetflow_pl.target import TargetModel
 
     head = DraftHead.from_pretrained(str(SMALL_HEAD_DIR)).eval()
@@ -404,9 +404,9 @@ def test_tensorrt_engine_refuses_a_tree_larger_than_its_profile(built_engines):
 @pytest.mark.tensorrt
 def test_tensorrt_fp16_engines_build_and_decode(portable_engine_dir, tmp_path, parity_prompts):
     _skip_without_tensorrt_gpu()
-    from export.engine_config import load_engine_config
     from export.tensorrt_build import build_engines
     from jetflow_pl.decoding.generator import SpeculativeGenerator
+    from jetflow_pl.runtime.engine_config import load_engine_config
 
     engine_dir = Path(shutil.copytree(portable_engine_dir, tmp_path / "fp16"))
     block = build_engines(engine_dir, precision="fp16", max_tree=64)

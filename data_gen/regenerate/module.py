@@ -22,7 +22,7 @@ import torch
 from jetflow_pl.checkpoints import load_draft_head
 from jetflow_pl.decoding import SamplingConfig, SpeculativeGenerator, processed_probs
 from jetflow_pl.errors import UserInputError
-from jetflow_pl.kv_cache import new_cache, select_batch
+from jetflow_pl.runtime.hf_cache import new_cache, select_batch
 from jetflow_pl.target import TargetModel
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -217,7 +217,7 @@ class RegenerationModule(L.LightningModule):
             )
             self.target_passes += max((len(t) for t in tokens), default=1) - 1
             return tokens, reasons
-        from jetflow_pl.decoding.torch_backend import TorchBackend
+        from jetflow_pl.runtime.torch_backend import TorchBackend
 
         gen = SpeculativeGenerator(
             TorchBackend(self.target, self.head),

@@ -43,9 +43,9 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from jetflow_pl.decoding.backend import DecodeBackend
 from jetflow_pl.decoding.cost_profile import LADDER_NODES, CostProfile, cost_profile_for
 from jetflow_pl.errors import UserInputError
+from jetflow_pl.runtime.backend import DecodeBackend
 from jetflow_pl.tree import DraftTree
 
 #: the budgets `auto` chooses among (capped by the backend and the cost profile): 0, 1, 2, 4, ..., 256

@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from jetflow_pl.decoding.backend import DecodeBackend
 from jetflow_pl.errors import UserInputError
+from jetflow_pl.runtime.backend import DecodeBackend
 from jetflow_pl.tree import SCORE_QUANTUM, DraftTree, accept_greedy, build_tree
 
 log = logging.getLogger(__name__)

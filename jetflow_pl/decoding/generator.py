@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from jetflow_pl.decoding.backend import DecodeBackend
 from jetflow_pl.decoding.budget import (
     LADDER_BUDGETS,
     AcceptanceStats,
@@ -26,6 +25,7 @@ from jetflow_pl.decoding.budget import (
 )
 from jetflow_pl.decoding.sampling import SamplingConfig, choose_token, processed_probs
 from jetflow_pl.errors import NumericalError, UserInputError
+from jetflow_pl.runtime.backend import DecodeBackend
 from jetflow_pl.tree import (
     SCORE_QUANTUM,
     DraftTree,

@@ -129,7 +129,7 @@ class AcceptanceLengthCallback(Callback):
         """Import the decoder and read the prompts now, so a broken install or a bad prompt file fails
         before training instead of at the first measurement (hundreds of steps in, nothing saved yet)."""
         import jetflow_pl.decoding  # noqa: F401
-        import jetflow_pl.decoding.torch_backend  # noqa: F401
+        import jetflow_pl.runtime.torch_backend  # noqa: F401
 
         if stage == "fit":
             self._load_prompts(pl_module)
@@ -175,7 +175,7 @@ class AcceptanceLengthCallback(Callback):
     def measure(self, pl_module: LightningModule) -> dict:
         """Run speculative decoding with the module's head; returns `{tau, rounds, tokens, seconds}`."""
         from jetflow_pl.decoding import SpeculativeGenerator
-        from jetflow_pl.decoding.torch_backend import TorchBackend
+        from jetflow_pl.runtime.torch_backend import TorchBackend
 
         prompts = self._load_prompts(pl_module)
         head = pl_module.head

@@ -1,4 +1,4 @@
-"""The two decode graphs: `TargetVerifyGraph` and `DraftHeadGraph` (contract: `export/contract.py`).
+"""The two decode graphs: `TargetVerifyGraph` and `DraftHeadGraph` (contract: `jetflow_pl/runtime/contract.py`).
 
 Both are thin `nn.Module`s over the live models' own submodules (projections, norms, MLPs, rotary
 embeddings), with the KV caches as explicit tensors and attention as `jetflow::tree_attention`:

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from export.engine_config import load_engine_config
+from jetflow_pl.runtime.engine_config import load_engine_config
 from jetflow_pl.tree import DraftTree, pack_mask
 
 NO_TENSORRT = (

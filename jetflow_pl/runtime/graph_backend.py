@@ -1,6 +1,6 @@
 """`GraphBackend`: decode-loop bookkeeping for backends that run the two decode graphs.
 
-The graphs (`jetflow_pl/decoding/graphs.py`, contract in `export/contract.py`) take explicit KV caches
+The graphs (`jetflow_pl/runtime/graphs.py`, contract in `jetflow_pl/runtime/contract.py`) take explicit KV caches
 and return `past ++ new` rows. This class owns what every such runtime does the same way: the target KV
 cache and the head's context KV cache as tensors, appending (the graphs' `present_*`) and compacting
 (root + accepted rows) after each round, the taps of committed rows queued until the next `draft`, the
@@ -173,7 +173,7 @@ class TorchGraphBackend(GraphBackend):
     torch GPU path whose tree attention is the `jetflow::tree_attention` op (Triton kernel on CUDA)."""
 
     def __init__(self, target, head, topk: int = 8, variant: str = "plugin") -> None:
-        from jetflow_pl.decoding.graphs import DraftHeadGraph, TargetVerifyGraph, pair_config
+        from jetflow_pl.runtime.graphs import DraftHeadGraph, TargetVerifyGraph, pair_config
 
         head.check_compatible(target.config)
         if list(target.tap_layer_ids) != list(head.config.target_layer_ids):

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from export.contract import CONFIG_FILE, VARIANTS
+from jetflow_pl.runtime.contract import CONFIG_FILE, VARIANTS
 
 FORMAT = "jetflow-engine"
 FORMAT_VERSION = 1

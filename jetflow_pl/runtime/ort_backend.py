@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from export.engine_config import load_engine_config
-from jetflow_pl.decoding.graph_backend import GraphBackend
-from jetflow_pl.decoding.ort_session import make_session
+from jetflow_pl.runtime.engine_config import load_engine_config
+from jetflow_pl.runtime.graph_backend import GraphBackend
+from jetflow_pl.runtime.ort_session import make_session
 
 
 def _run(session, feeds: dict[str, torch.Tensor]) -> list[torch.Tensor]:

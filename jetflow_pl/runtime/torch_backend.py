@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from jetflow_pl.head import DraftHead, HeadCache
-from jetflow_pl.kv_cache import cache_length, compact_cache, new_cache
+from jetflow_pl.runtime.hf_cache import cache_length, compact_cache, new_cache
 from jetflow_pl.target import TargetModel
 from jetflow_pl.tree import DraftTree
 

@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 import torch
 
-from export.contract import TREE_ATTENTION_DOMAIN, TREE_ATTENTION_OP
+from jetflow_pl.runtime.contract import TREE_ATTENTION_DOMAIN, TREE_ATTENTION_OP
 
 #: the only domain onnxruntime-extensions accepts for Python custom ops
 PYOP_DOMAIN = "ai.onnx.contrib"
