@@ -71,7 +71,8 @@ def machine(threads: int) -> dict:
 
 # ---------------------------------------------------------------------------------------------- time
 def bench_step_time(args: argparse.Namespace) -> dict:
-    from jetflow_pl.training.data import pack_documents, toy_documents
+    from data_gen.toy.documents import toy_documents
+    from jetflow_pl.training.data import pack_documents
     from jetflow_pl.training.module import DistillationModule
     from jetflow_pl.training.step import distill_step, prepare_blocks, target_packing_mask
 

@@ -113,6 +113,13 @@ def _short_response_docs() -> list[dict]:
     return docs
 
 
+def _mask_in_data_docs() -> list[dict]:
+    """One response holds the MASK id itself: the head could not tell "predict here" from that token."""
+    docs = _random_docs(12)
+    docs[5]["input_ids"][docs[5]["prompt_len"] + 1] = MASK_ID
+    return docs
+
+
 CASES = {
     "block_size_1": ({"block_size": 1}, None, None, "block_size must be >= 2"),
     "mask_is_pad": ({"mask_token_id": 0}, None, None, "equals the target's pad_token_id"),
@@ -124,6 +131,7 @@ CASES = {
     "head_vocab_mismatch": ("head:vocab_size", None, None, "vocab_size"),
     "no_response_tokens": (None, _no_response_docs, None, "no response tokens"),
     "responses_shorter_than_block": (None, _short_response_docs, None, "no anchor position"),
+    "mask_in_data": (None, _mask_in_data_docs, None, f"mask_token_id {MASK_ID} occurs in the training data"),
     "dataset_missing": (None, None, {"dataset_path": "/nonexistent/regen"}, "does not exist"),
 }
 

@@ -5,8 +5,8 @@ Sources (DESIGN.md section 3):
 - a regenerated dataset folder (`datasets.load_from_disk`; the schema of `data_gen/regenerate/schema.py`:
   columns `id, domain, input_ids, loss_mask, prompt_len, response, finish_reason`). The folder may be the
   regeneration output root (its `dataset/` subfolder is used) or the dataset folder itself;
-- the toy corpora directly (`data_gen.toy.splits.train_records` + `data_gen.toy.tokenizer.format_example`)
-  when no folder is given, so the distillation stage runs standalone.
+- any `DocumentSource` a config names by `class_path` (`documents:`), e.g. the toy corpora as they are
+  (`data_gen.toy.documents.ToyDocuments`), so the distillation stage also runs without regeneration.
 
 Documents are optionally re-weighted per domain (`domain_weights`: 2.0 = every document twice, 0.5 = a
 seeded half), split into train / held-out at the document level, shuffled by `seed` and packed into rows
@@ -67,8 +67,6 @@ from .teacher_cache import (
     dataset_identity,
 )
 
-DEFAULT_TOY_COUNTS = {"math": 6000, "code": 1000, "prose": 500}
-
 
 # --------------------------------------------------------------------------------------------- loading
 def open_regenerated(path: str | Path):
@@ -114,22 +112,20 @@ def load_regenerated(path: str | Path) -> list[dict]:
     return docs
 
 
-def toy_documents(tokenizer_path: str | Path, counts: dict[str, int], seed: int) -> list[dict]:
-    """Documents built from the toy training corpora, chat-formatted with the toy tokenizer."""
-    from transformers import AutoTokenizer
+class DocumentSource:
+    """Documents for `DistillDataModule(documents=...)`, named in a config by `class_path`.
 
-    from data_gen.toy.splits import train_records
-    from data_gen.toy.tokenizer import format_example
+    `load()` returns dicts with `input_ids` (list of ids), `loss_mask` (list of 0/1, 1 on response
+    tokens) and optionally `domain`. Stages provide their own (the toy world's `ToyDocuments`), so the
+    library never imports them.
+    """
 
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_path), local_files_only=True)
-    docs = []
-    for domain, n in counts.items():
-        if n <= 0:
-            continue
-        for r in train_records(domain, int(n), seed):
-            ids, mask = format_example(tok, r["prompt"], r["response"])
-            docs.append({"input_ids": ids, "loss_mask": mask, "domain": domain})
-    return docs
+    def load(self) -> list[dict]:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """A few words for messages ('the toy corpora {...}')."""
+        return type(self).__name__
 
 
 # ---------------------------------------------------------------------------------------- regeneration
@@ -395,16 +391,16 @@ class EpochShuffleSampler(Sampler[int]):
 
 # --------------------------------------------------------------------------------------------- module
 class DistillDataModule(LightningDataModule):
-    """Packed distillation rows from a regenerated folder or the toy corpora (see module docstring).
+    """Packed distillation rows from a regenerated folder or a `DocumentSource` (see module docstring).
 
     Args:
-        dataset_path: a regenerated dataset folder (or the regeneration output root). `None` = toy corpora.
+        dataset_path: a regenerated dataset folder (or the regeneration output root); or `documents`.
         regenerate_config: a regeneration (predict) config; if `dataset_path` does not exist,
             `prepare_data` creates it by running that config (module docstring).
         regenerate_overrides: dotted keys of that config to replace, e.g.
             `{"data.init_args.source": "toy:all:train:1200", "model.init_args.target_path": ...}`.
-        tokenizer_path: toy tokenizer folder (e.g. the target folder); required without `dataset_path`.
-        toy_counts: documents per toy domain (`train_records(domain, n, seed)`), toy mode only.
+        documents: a `DocumentSource` (by `class_path`) used when there is no `dataset_path`.
+        tokenizer_path: a tokenizer folder whose pad id pads the rows of `documents` (default pad: 0).
         domain_weights: per-domain repeat factor applied before the split (missing domains: 1.0).
         seq_len: packed row length.
         split_documents: packing mode (module docstring).
@@ -430,8 +426,8 @@ class DistillDataModule(LightningDataModule):
         dataset_path: str | None = None,
         regenerate_config: str | None = None,
         regenerate_overrides: dict[str, Any] | None = None,
+        documents: DocumentSource | None = None,
         tokenizer_path: str | None = None,
-        toy_counts: dict[str, int] | None = None,
         domain_weights: dict[str, float] | None = None,
         seq_len: int = 256,
         split_documents: bool = True,
@@ -448,10 +444,8 @@ class DistillDataModule(LightningDataModule):
         teacher_cache_device: str | None = None,
     ) -> None:
         super().__init__()
-        if dataset_path is None and tokenizer_path is None:
-            raise UserInputError(
-                "DistillDataModule needs dataset_path (a regenerated folder) or tokenizer_path (toy corpora)"
-            )
+        if dataset_path is not None and documents is not None:
+            raise UserInputError("DistillDataModule takes dataset_path or documents, not both")
         if regenerate_config is not None and dataset_path is None:
             raise UserInputError("regenerate_config needs dataset_path (where the regenerated data goes)")
         if seq_len < 2:
@@ -477,18 +471,20 @@ class DistillDataModule(LightningDataModule):
                 )
             if teacher_cache_shard_mb <= 0 or teacher_cache_batch_tokens < 1:
                 raise UserInputError("teacher_cache_shard_mb must be > 0 and teacher_cache_batch_tokens >= 1")
-        if toy_counts is not None:
-            from data_gen.toy.splits import DOMAINS
-
-            bad = [d for d in toy_counts if d not in DOMAINS]
-            if bad:
-                raise UserInputError(f"toy_counts: unknown domain(s) {bad}; known: {list(DOMAINS)}")
-        self.save_hyperparameters()
+        if dataset_path is None and documents is None:
+            raise UserInputError(
+                "DistillDataModule needs dataset_path (a regenerated folder) or documents (a "
+                "DocumentSource, e.g. data_gen.toy.documents.ToyDocuments)"
+            )
+        # a DocumentSource object would be pickled into checkpoints, which load with weights_only: keep its
+        # description instead
+        self.save_hyperparameters(ignore=["documents"])
+        self.hparams["documents"] = documents.describe() if documents is not None else None
         self.dataset_path = dataset_path
         self.regenerate_config = regenerate_config
         self.regenerate_overrides = dict(regenerate_overrides) if regenerate_overrides else None
         self.tokenizer_path = tokenizer_path
-        self.toy_counts = dict(toy_counts) if toy_counts is not None else dict(DEFAULT_TOY_COUNTS)
+        self.documents = documents
         self.domain_weights = dict(domain_weights) if domain_weights else None
         self.seq_len = int(seq_len)
         self.split_documents = bool(split_documents)
@@ -516,12 +512,15 @@ class DistillDataModule(LightningDataModule):
     def load_documents(self) -> list[dict]:
         if self.dataset_path is not None:
             return load_regenerated(self.dataset_path)
-        return toy_documents(self.tokenizer_path, self.toy_counts, self.seed)
+        return self.documents.load()
+
+    def _source_name(self) -> str:
+        return str(self.dataset_path) if self.dataset_path is not None else self.documents.describe()
 
     def _pad_id(self) -> int:
         if self.pad_token_id is not None:
             return int(self.pad_token_id)
-        if self.dataset_path is None and self.tokenizer_path is not None:
+        if self.tokenizer_path is not None:
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(str(self.tokenizer_path), local_files_only=True)
@@ -610,13 +609,12 @@ class DistillDataModule(LightningDataModule):
         docs = self.load_documents()
         if not docs:
             raise UserInputError(
-                f"no documents in {self.dataset_path or 'the toy corpora'!s}: the dataset is empty "
-                "(or every toy_counts entry is 0)"
+                f"no documents in {self._source_name()}: the dataset is empty (or the source yields none)"
             )
         n_resp = sum(1 for d in docs for m in d["loss_mask"] if m)
         if n_resp == 0:
             raise UserInputError(
-                f"the dataset {self.dataset_path or 'from the toy corpora'!s} has {len(docs)} documents but no "
+                f"the dataset {self._source_name()} has {len(docs)} documents but no "
                 "response tokens (loss_mask is 0 everywhere): nothing to distill; regenerate the responses"
             )
         docs = apply_domain_weights(docs, self.domain_weights, self.seed)

@@ -78,20 +78,25 @@ def check_mask_against_tokenizer(target_path: str | Path, mask_token_id: int) ->
 
 
 def default_mask_token_id(target_path: str | Path) -> int | None:
-    """The `<|mask|>` id of the tokenizer saved with the target, else the config's `mask_token_id`."""
+    """A reserved MASK id for the target: `jetflow_pl.tokens.propose_mask_token_id` on the tokenizer saved
+    with it (a free embedding row past the tokenizer, else a reserved special token: the toy tokenizer's
+    `<|mask|>`, SmolLM2's `<empty_output>`), else the config's `mask_token_id`. The training data is then
+    checked to hold no such token (`DistillationModule.check_training_rows`)."""
+    from transformers import AutoConfig
+
     path = Path(target_path)
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         try:
             from transformers import AutoTokenizer
 
-            from data_gen.toy.tokenizer import mask_token_id
+            from jetflow_pl.tokens import propose_mask_token_id
 
-            return mask_token_id(AutoTokenizer.from_pretrained(str(path), local_files_only=True))
-        except (ImportError, ValueError, OSError):
+            tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            return propose_mask_token_id(tok, vocab_size=getattr(config, "vocab_size", None))
+        except (ValueError, OSError):
             pass
-    from transformers import AutoConfig
-
-    return getattr(AutoConfig.from_pretrained(str(path), local_files_only=True), "mask_token_id", None)
+    return getattr(config, "mask_token_id", None)
 
 
 def step_seed(seed: int, global_step: int, micro_batch: int = 0, rank: int = 0) -> int:
@@ -107,7 +112,7 @@ class DistillationModule(LightningModule):
         num_head_layers: decoder layers of the head.
         block_size: `[anchor, MASK * (block_size - 1)]`.
         causal: True = JetFlow causal in-block attention; False = DFlash bidirectional (ablation).
-        mask_token_id: reserved MASK id; default: the target tokenizer's `<|mask|>` (toy tokenizer).
+        mask_token_id: reserved MASK id, never in the data (checked); default: `default_mask_token_id`.
         target_layer_ids: target layers to tap; default DESIGN.md's formula.
         init_head_path: start from a saved head (must fit the target) instead of a fresh one.
         num_anchors: blocks per packed row per step.
@@ -240,8 +245,8 @@ class DistillationModule(LightningModule):
             mask_token_id = default_mask_token_id(path)
         if mask_token_id is None:
             raise UserInputError(
-                f"mask_token_id: none given and none found for {str(path)!r} (no toy tokenizer with "
-                "<|mask|>, no config.mask_token_id); pass a reserved id that is neither pad nor EOS"
+                f"mask_token_id: none given and none found for {str(path)!r} (no reserved token in its "
+                "tokenizer, no config.mask_token_id); pass a reserved id that is neither pad nor EOS"
             )
         cfg = DraftHeadConfig.for_target(
             target.config,
@@ -287,6 +292,9 @@ class DistillationModule(LightningModule):
         rows = getattr(self.trainer.datamodule, "train_rows", None)
         if isinstance(rows, dict) and "input_ids" in rows and "loss_mask" in rows:
             self.check_training_rows(rows["input_ids"], rows["loss_mask"], rows.get("doc_ids"))
+        val = getattr(self.trainer.datamodule, "val_rows", None)
+        if isinstance(val, dict) and "input_ids" in val:
+            self.check_mask_absent(val["input_ids"], "validation")
 
     def check_training_rows(
         self, input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor | None = None
@@ -301,6 +309,7 @@ class DistillationModule(LightningModule):
                 f"input_ids contain ids outside the target vocabulary [0, {vocab - 1}] (min "
                 f"{int(input_ids.min())}, max {int(input_ids.max())}): data and target do not match"
             )
+        self.check_mask_absent(input_ids, "training")
         bs = self.head.block_size
         if not bool(eligible_anchors(loss_mask.bool(), doc_ids, bs).any()):
             n_resp = int(loss_mask.bool().sum())
@@ -309,6 +318,30 @@ class DistillationModule(LightningModule):
                 f"with a whole block of block_size={bs} inside its document and row; regenerate the "
                 "responses, lower block_size or raise seq_len"
             )
+
+    def check_mask_absent(self, input_ids: torch.Tensor, what: str) -> None:
+        """Prove the MASK id occurs nowhere in the `what` rows, else one `UserInputError`: a MASK token in
+        the data would make "predict here" indistinguishable from a real token."""
+        mask_id = int(self.head.mask_token_id)
+        hits = (input_ids == mask_id).nonzero()
+        if hits.numel():
+            row, col = (int(x) for x in hits[0])
+            raise UserInputError(
+                f"mask_token_id {mask_id}{self._token_string(mask_id)} occurs in the {what} data "
+                f"({hits.shape[0]} times; first in packed row {row} at position {col}): choose a reserved "
+                "id that the data never contains"
+            )
+
+    def _token_string(self, token_id: int) -> str:
+        """` ('<tok>')` for messages, from the target's tokenizer when it has one, else ''."""
+        try:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(str(self.hparams.target_path), local_files_only=True)
+            token = tok.convert_ids_to_tokens(int(token_id))
+        except (OSError, ValueError, TypeError):
+            return ""
+        return f" ({token!r})" if token is not None else ""
 
     def on_fit_start(self) -> None:
         self.head.check_compatible(self.target.config)
