@@ -115,6 +115,8 @@ class DistillationModule(LightningModule):
         mask_token_id: reserved MASK id, never in the data (checked); default: `default_mask_token_id`.
         target_layer_ids: target layers to tap; default DESIGN.md's formula.
         init_head_path: start from a saved head (must fit the target) instead of a fresh one.
+        init_from_target_layers: start head layer `i` as a copy of target layer `ids[i]` (and the head's
+            final norm as the target's): a slice of the target, e.g. its last layers (`head/init.py`).
         num_anchors: blocks per packed row per step.
         loss: `forward_kl` | `reverse_kl` | `ce`.
         temperature: distillation temperature (T^2-scaled loss).
@@ -152,6 +154,7 @@ class DistillationModule(LightningModule):
         mask_token_id: int | None = None,
         target_layer_ids: list[int] | None = None,
         init_head_path: str | None = None,
+        init_from_target_layers: list[int] | None = None,
         num_anchors: int = 16,
         loss: str = "forward_kl",
         temperature: float = 1.0,
@@ -196,6 +199,8 @@ class DistillationModule(LightningModule):
                 f"on_nonfinite_teacher must be one of {list(NONFINITE_TEACHER_POLICIES)}, "
                 f"got {on_nonfinite_teacher!r}"
             )
+        if init_head_path is not None and init_from_target_layers:
+            problems.append("init_head_path and init_from_target_layers exclude each other")
         path = Path(target_path)
         if not (path / "config.json").is_file():
             problems.append(f"target_path {target_path!r} is not a model folder (no config.json)")
@@ -258,7 +263,12 @@ class DistillationModule(LightningModule):
             **(hp.head_overrides or {}),
         )
         torch.manual_seed(hp.seed)
-        return DraftHead(cfg)
+        head = DraftHead(cfg)
+        if hp.get("init_from_target_layers"):
+            from jetflow_pl.head.init import init_head_from_target_layers
+
+            init_head_from_target_layers(head, target, hp.init_from_target_layers)
+        return head
 
     # ------------------------------------------------------------------ target
     @property

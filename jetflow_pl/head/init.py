@@ -1,0 +1,72 @@
+"""Initialise a draft head's decoder layers from the target's own decoder layers.
+
+JetSpec++-style heads are described as a slice of the target's last layers: a head whose layers start
+as copies of target layers `L-n .. L-1` begins with the target's own next-token machinery instead of
+random weights, which matters most when training compute is small (a CPU, a short run). The head's
+layers are Qwen3-style: every projection, MLP and pre-norm has a counterpart in a Llama/Qwen2/Qwen3/
+Mistral target layer and is copied; the per-head q/k RMSNorms exist only in Qwen3 targets (copied then,
+left at their initial ones otherwise). The head's final norm is copied from the target's final norm, so
+a head initialised from the last layers feeds the target's lm_head the way the target does. The fused
+context (`fc`, `hidden_norm`) has no counterpart and keeps its initialisation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from jetflow_pl.errors import UserInputError
+
+#: head-layer parameters copied from a target layer (names under both layers)
+_COPIED = (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+_OPTIONAL = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+
+
+@torch.no_grad()
+def init_head_from_target_layers(head, target, layer_ids: Sequence[int]) -> list[str]:
+    """Copy target decoder layer `layer_ids[i]` into head layer `i` (and the final norm); return the copied
+    parameter names. One `UserInputError` when the counts or shapes do not fit."""
+    layer_ids = [int(i) for i in layer_ids]
+    if len(layer_ids) != len(head.layers):
+        raise UserInputError(
+            f"init_from_target_layers names {len(layer_ids)} target layers for a head of {len(head.layers)} "
+            "layers: give one target layer per head layer"
+        )
+    bad = [i for i in layer_ids if not 0 <= i < target.num_layers]
+    if bad:
+        raise UserInputError(
+            f"init_from_target_layers: {bad} outside the target's layers 0..{target.num_layers - 1}"
+        )
+    copied = []
+    for h_idx, t_idx in enumerate(layer_ids):
+        h_params = dict(head.layers[h_idx].named_parameters())
+        t_params = dict(target.layers[t_idx].named_parameters())
+        for name in (*_COPIED, *_OPTIONAL):
+            if name not in t_params:
+                if name in _OPTIONAL:
+                    continue
+                raise UserInputError(
+                    f"target layer {t_idx} has no {name}: cannot initialise the head from it"
+                )
+            src, dst = t_params[name], h_params[name]
+            if src.shape != dst.shape:
+                raise UserInputError(
+                    f"init_from_target_layers: target layer {t_idx} {name} has shape {tuple(src.shape)}, the "
+                    f"head's is {tuple(dst.shape)} (the head must have the target's layer shapes)"
+                )
+            dst.copy_(src.to(dst.dtype))
+            copied.append(f"layers.{h_idx}.{name}")
+    head.norm.weight.copy_(target.final_norm.weight.to(head.norm.weight.dtype))
+    copied.append("norm.weight")
+    return copied
