@@ -512,3 +512,16 @@ def test_shipped_configs_parse(name, capsys):
     printed = capsys.readouterr().out
     assert "data_gen.regenerate.module.RegenerationModule" in printed
     assert "data_gen.regenerate.writer.RegenerationWriter" in printed
+
+
+def test_toy_source_mixes_counts_per_domain():
+    from data_gen.regenerate.prompts import PromptSourceError, load_rows
+
+    rows = load_rows("toy:math+prose:train:5+2:3")
+    assert [r["domain"] for r in rows] == ["math"] * 5 + ["prose"] * 2
+    # one count for every listed domain, and the same rows as the single-domain source
+    assert load_rows("toy:math+code:train:4:3")[:4] == load_rows("toy:math:train:4:3")
+    with pytest.raises(PromptSourceError, match="2 domains but 3 counts"):
+        load_rows("toy:math+code:train:1+2+3")
+    with pytest.raises(PromptSourceError, match="toy domain must be one of"):
+        load_rows("toy:math+poetry:train:1+2")
