@@ -13,12 +13,19 @@ import onnxscript
 import torch
 from onnx.defs import OpSchema
 
-from export.contract import PLUGIN_NAMESPACE, PLUGIN_VERSION, TREE_ATTENTION_DOMAIN, TREE_ATTENTION_OP
+from jetflow_pl.runtime.contract import (
+    PLUGIN_NAMESPACE,
+    PLUGIN_VERSION,
+    TREE_ATTENTION_DOMAIN,
+    TREE_ATTENTION_OP,
+)
 
 _DOC = (
     "Tree-causal attention (see jetflow_pl/ops/tree_attention.py). query [B,Hq,N,d]; past_key/past_value "
-    "[B,Hkv,P,d] always visible; key/value [B,Hkv,N,d] visible where bit j of packed_mask[i] is set "
-    "(int32 [N, ceil(N/32)], LSB first); output [B,Hq,N,d]."
+    "[B,Hkv,P,d]: rows [0, past_lengths[b]) visible from every row of request b (all P rows without "
+    "past_lengths); key/value [B,Hkv,N,d] visible where bit j of packed_mask[b, i] is set (int32 "
+    "[N, ceil(N/32)] shared by the batch or [B, N, ceil(N/32)] per request, LSB first); optional "
+    "past_lengths int32 [B]; a row that sees nothing is 0; output [B,Hq,N,d]."
 )
 
 
@@ -37,6 +44,7 @@ def _schema() -> OpSchema:
             param("key", "T"),
             param("value", "T"),
             param("packed_mask", "tensor(int32)"),
+            param("past_lengths", "tensor(int32)", param_option=OpSchema.FormalParameterOption.Optional),
         ],
         outputs=[param("output", "T")],
         type_constraints=[("T", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "float types")],
@@ -63,15 +71,16 @@ _JETFLOW = onnxscript.values.Opset(TREE_ATTENTION_DOMAIN, 1)
 _TREE_ATTENTION = onnxscript.values.Op(_JETFLOW, TREE_ATTENTION_OP)
 
 
-def tree_attention_to_onnx(query, past_key, past_value, key, value, packed_mask, scale: float):
-    """Translation of `jetflow::tree_attention` (torch.onnx dynamo exporter): one TreeAttention node."""
+def tree_attention_to_onnx(
+    query, past_key, past_value, key, value, packed_mask, scale: float, past_lengths=None
+):
+    """Translation of `jetflow::tree_attention` (torch.onnx dynamo exporter): one TreeAttention node, with
+    6 inputs (batch-1 form: every prefix row visible) or 7 (`past_lengths` per request)."""
+    inputs = [query, past_key, past_value, key, value, packed_mask]
+    if past_lengths is not None:
+        inputs.append(past_lengths)
     return _TREE_ATTENTION(
-        query,
-        past_key,
-        past_value,
-        key,
-        value,
-        packed_mask,
+        *inputs,
         scale=float(scale),
         num_heads=int(query.shape[1]),
         num_kv_heads=int(key.shape[1]),
@@ -83,7 +92,7 @@ def tree_attention_to_onnx(query, past_key, past_value, key, value, packed_mask,
 
 def masked_attention_to_onnx(query, keys, values, visible, scale: float):
     """Translation of `jetflow::masked_attention`: one opset-23 `Attention` node (GQA from the 4-D
-    shapes, boolean mask `[N, P+N]` broadcast over batch and heads)."""
+    shapes, boolean mask `[N, P+N]` broadcast over batch and heads, or `[B, 1, N, P+N]` per request)."""
     from onnxscript import opset23
 
     outputs = opset23.Attention(query, keys, values, visible, scale=float(scale))

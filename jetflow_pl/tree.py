@@ -10,6 +10,8 @@ Conventions (see ``docs/ARCHITECTURE.md`` and ``DESIGN.md`` section 4):
   :meth:`DraftTree.additive_mask`).
 * :func:`build_tree` grows the tree best-first on cumulative draft log-probability from per-depth
   logits; :func:`accept_greedy` / :func:`accept_sampling` walk it against the target's outputs.
+* The packed mask layout lives in :mod:`jetflow_pl.masks` (``pack_mask`` / ``unpack_mask`` are re-exported
+  here); a batch of trees for one verify is :func:`jetflow_pl.masks.pack_tree_batch`.
 
 Trees are small (N <= ~1024) and built on the host: the tensors of a tree live on the CPU unless moved
 with :meth:`DraftTree.to`. Treat a tree as immutable once built (derived lists are cached).
@@ -26,6 +28,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from jetflow_pl.masks import pack_mask, unpack_mask  # re-exported: the packed layout lives in masks.py
+
 __all__ = [
     "DraftTree",
     "FanoutPolicy",
@@ -39,56 +43,8 @@ __all__ = [
     "unpack_mask",
 ]
 
-_WORD_BITS = 32
-
 #: default rounding of draft log-probs in :func:`build_tree` (1/64 nat: a 1.6% probability ratio)
 SCORE_QUANTUM = 2.0**-6
-
-
-# --------------------------------------------------------------------------------------------------
-# Packed masks (TensorRT-LLM layout)
-# --------------------------------------------------------------------------------------------------
-
-
-def pack_mask(dense: Tensor) -> Tensor:
-    """Pack a boolean mask ``[..., M]`` into int32 words ``[..., ceil(M / 32)]``.
-
-    Bit ``b`` (LSB first) of word ``w`` is column ``32 * w + b``. A word with bit 31 set is a negative
-    int32 (two's complement), e.g. only bit 31 set -> ``-2**31``; all 32 bits set -> ``-1``.
-    """
-    if dense.dtype != torch.bool:
-        raise ValueError(f"pack_mask expects a bool tensor, got {dense.dtype}")
-    if dense.dim() < 1:
-        raise ValueError("pack_mask expects at least one dimension")
-    m = dense.shape[-1]
-    words = (m + _WORD_BITS - 1) // _WORD_BITS
-    pad = words * _WORD_BITS - m
-    if pad:
-        dense = torch.nn.functional.pad(dense, (0, pad), value=False)
-    bits = dense.reshape(*dense.shape[:-1], words, _WORD_BITS).to(torch.int64)
-    weights = torch.bitwise_left_shift(
-        torch.ones(_WORD_BITS, dtype=torch.int64, device=dense.device),
-        torch.arange(_WORD_BITS, dtype=torch.int64, device=dense.device),
-    )
-    unsigned = (bits * weights).sum(dim=-1)  # in [0, 2**32), exact in int64
-    signed = torch.where(unsigned >= 2**31, unsigned - 2**32, unsigned)  # two's complement wrap
-    return signed.to(torch.int32)
-
-
-def unpack_mask(packed: Tensor, n: int) -> Tensor:
-    """Inverse of :func:`pack_mask`: int32 ``[..., W]`` -> bool ``[..., n]`` (requires ``n <= 32 * W``)."""
-    if packed.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"unpack_mask expects int32 (or int64) words, got {packed.dtype}")
-    n = operator.index(n)
-    words = packed.shape[-1] if packed.dim() >= 1 else 0
-    if n < 0 or n > words * _WORD_BITS:
-        raise ValueError(f"cannot unpack {n} columns from {words} word(s) of {_WORD_BITS} bits")
-    from jetflow_pl.ops.tree_attention import packed_mask_to_dense  # the one unpacker (export-friendly)
-
-    if packed.dtype == torch.int64:  # keep the low 32 bits, as two's-complement int32
-        low = packed & 0xFFFFFFFF
-        packed = torch.where(low >= 2**31, low - 2**32, low).to(torch.int32)
-    return packed_mask_to_dense(packed, n)
 
 
 # --------------------------------------------------------------------------------------------------

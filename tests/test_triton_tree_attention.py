@@ -15,6 +15,7 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (optional: pip install triton)")
 
+from jetflow_pl.masks import pack_tree_batch  # noqa: E402
 from jetflow_pl.ops import triton_tree_attention as tta  # noqa: E402
 from jetflow_pl.ops.tree_attention import tree_attention_reference  # noqa: E402
 from jetflow_pl.tree import DraftTree, build_tree, pack_mask  # noqa: E402
@@ -43,9 +44,9 @@ def make_inputs(
     return rnd(b, hq, n, d), rnd(b, hkv, p, d), rnd(b, hkv, p, d), rnd(b, hkv, n, d), rnd(b, hkv, n, d)
 
 
-def check(q, pk, pv, k, v, mask, scale, tol=FP32_TOL, **kw) -> None:
-    out = tta.tree_attention_triton(q, pk, pv, k, v, mask, scale, **kw)
-    ref = tree_attention_reference(q, pk, pv, k, v, mask, scale)
+def check(q, pk, pv, k, v, mask, scale, past_lengths=None, tol=FP32_TOL, **kw) -> None:
+    out = tta.tree_attention_triton(q, pk, pv, k, v, mask, scale, past_lengths, **kw)
+    ref = tree_attention_reference(q, pk, pv, k, v, mask, scale, past_lengths)
     assert out.shape == ref.shape and out.dtype == q.dtype
     err = (out.float() - ref.float()).abs().max().item()
     assert err <= tol, f"max abs error {err:.3g} > {tol}"
@@ -82,6 +83,54 @@ def test_kv_splits_match_reference(interpret, n, p, splits, bn) -> None:
     tree = random_tree(n, gen)
     q, pk, pv, k, v = make_inputs(1, 4, 2, n, p, 16, gen)
     check(q, pk, pv, k, v, tree.packed_mask(), 0.25, num_splits=splits, block_n=bn)
+
+
+def batched_inputs(sizes, past_lengths, hq, hkv, d, gen, pad_past=5):
+    """A batch of random trees of different sizes ([B, N, W] masks) with NaN in every padding prefix row."""
+    masks = pack_tree_batch([random_tree(n, gen) for n in sizes])
+    b, n = masks.batch_size, masks.num_nodes
+    q, pk, pv, k, v = make_inputs(b, hq, hkv, n, max(past_lengths) + pad_past, d, gen)
+    for i, length in enumerate(past_lengths):
+        pk[i, :, length:] = float("nan")
+        pv[i, :, length:] = float("nan")
+    return q, pk, pv, k, v, masks.packed_mask, torch.tensor(past_lengths, dtype=torch.int32)
+
+
+# (tree sizes, past lengths, Hq, Hkv, d, block_m, block_n, num_splits)
+BATCHED = [
+    ([5, 1, 12], [4, 0, 9], 4, 2, 16, None, None, None),  # a request with no prefix, a lone root
+    ([40, 7], [0, 33], 2, 1, 16, 16, 16, None),  # multi-word request next to a one-word one
+    ([256, 70, 3], [11, 0, 40], 2, 1, 16, None, None, None),  # N = 256, bit 31 in most rows
+    ([20, 9, 14], [300, 17, 130], 4, 2, 16, None, 32, 4),  # KV splits: some splits only padding
+]
+
+
+@pytest.mark.parametrize(("sizes", "past", "hq", "hkv", "d", "bm", "bn", "splits"), BATCHED)
+def test_batched_masks_and_past_lengths_match_reference(interpret, sizes, past, hq, hkv, d, bm, bn, splits):
+    """Per-request masks and prefix lengths; padding prefix rows hold NaN and must never be loaded."""
+    gen = torch.Generator().manual_seed(sum(sizes) + sum(past))
+    q, pk, pv, k, v, mask, lengths = batched_inputs(sizes, past, hq, hkv, d, gen)
+    out = tta.tree_attention_triton(
+        q, pk, pv, k, v, mask, d**-0.5, lengths, block_m=bm, block_n=bn, num_splits=splits
+    )
+    ref = tree_attention_reference(q, pk, pv, k, v, mask, d**-0.5, lengths)
+    assert torch.isfinite(out).all()
+    err = (out - ref).abs().max().item()
+    assert err <= FP32_TOL, f"max abs error {err:.3g} > {FP32_TOL}"
+    # rows past a request's tree that have no prefix either see nothing: exactly 0
+    empty = out[1, :, sizes[1] :] if past[1] == 0 else None
+    if empty is not None:
+        assert torch.equal(empty, torch.zeros_like(empty))
+
+
+def test_shared_mask_with_past_lengths_and_clamping(interpret) -> None:
+    """A shared [N, W] mask with per-request lengths (negative -> 0, > P -> P), as the reference does."""
+    gen = torch.Generator().manual_seed(21)
+    n, p = 24, 50
+    tree = random_tree(n, gen)
+    q, pk, pv, k, v = make_inputs(4, 2, 1, n, p, 16, gen)
+    lengths = torch.tensor([50, 0, -3, 999], dtype=torch.int32)
+    check(q, pk, pv, k, v, tree.packed_mask(), 0.25, lengths, block_n=16)
 
 
 def test_build_tree_masks_match_reference(interpret) -> None:
@@ -188,3 +237,11 @@ def test_compiled_kernel_on_gpu(monkeypatch: pytest.MonkeyPatch, dtype: torch.dt
         ref = tree_attention_reference(*[t.double() for t in ins], mask, d**-0.5)
         err = (out.double() - ref).abs().max().item()
         assert err <= tol, f"{dtype} N={n} P={p} d={d}: max abs error {err:.3g} > {tol}"
+    # a batch: per-request masks and prefix lengths, NaN in the padding prefix rows (auto KV splits)
+    q, pk, pv, k, v, mask, lengths = batched_inputs([256, 31, 90], [2000, 0, 700], 8, 2, 128, gen)
+    ins = [t.to(dtype).cuda() for t in (q, pk, pv, k, v)]
+    out = tta.tree_attention_triton(*ins, mask.cuda(), 128**-0.5, lengths.cuda())
+    ref = tree_attention_reference(*[t.double() for t in ins], mask.cuda(), 128**-0.5, lengths.cuda())
+    assert torch.isfinite(out).all()
+    err = (out.double() - ref).abs().max().item()
+    assert err <= tol, f"{dtype} batched: max abs error {err:.3g} > {tol}"

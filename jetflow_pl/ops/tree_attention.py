@@ -1,22 +1,35 @@
-"""`jetflow::tree_attention`: the one tree-causal attention contract (torch, ONNX, TensorRT, Triton).
+"""`jetflow::tree_attention`: the one tree-causal attention contract (torch, ONNX, TensorRT, Triton, CUDA).
 
-Semantics (DESIGN.md sections 4-5). Per batch row and query head `h` (KV head `h // (Hq / Hkv)`, GQA):
+Semantics (DESIGN.md sections 4-5). Per request `b` and query head `h` (KV head `h // (Hq / Hkv)`, GQA):
 
-    out[i] = softmax_j(scale * q[i] . K[j]) V[j]   over  j in {all P prefix rows} U {tree rows t : bit t of
-                                                                                 packed_mask[i] is set}
+    out[b, h, i] = softmax_j(scale * q[b, h, i] . K[b, j]) V[b, j]   over
+        j in {prefix rows p < past_lengths[b]} U {tree rows t : bit t of packed_mask[b, i] is set}
 
-Shapes:
-    query        [B, Hq,  N, d]   the new rows (tree nodes, or draft-block rows)
-    past_key     [B, Hkv, P, d]   the KV prefix (always visible; P may be 0)
-    past_value   [B, Hkv, P, d]
-    key, value   [B, Hkv, N, d]   K/V of the new rows themselves
-    packed_mask  int32 [N, ceil(N/32)]  the TensorRT-LLM packed layout: row i, word w, bit b (LSB first)
-                 set iff new row 32w+b is visible from row i (ancestor-or-self). Shared by the batch.
-    scale        the softmax scale (usually d ** -0.5)
-    returns      [B, Hq, N, d]
+and `out[b, h, i] = 0` when that set is empty. Requests never see each other.
 
-The same contract is the ONNX node `jetflow::TreeAttention` (see `export/`), the TensorRT plugin
-`TreeAttention` (see `trt_plugins/`) and the Triton kernel. `tree_attention_reference` is written with
+Arguments (positional order is the ONNX node's and the TensorRT plugin's input order):
+    query         [B, Hq,  N, d]  fp32 / fp16 / bf16; the new rows (tree nodes, draft-block rows, a chain)
+    past_key      [B, Hkv, P, d]  the KV prefix, P >= 0 rows per request (P may be 0)
+    past_value    [B, Hkv, P, d]
+    key, value    [B, Hkv, N, d]  K/V of the new rows themselves
+    packed_mask   int32 [N, W] (one mask shared by the batch) or [B, N, W] (one per request),
+                  W >= ceil(N / 32): the TensorRT-LLM packed layout, row i, word w, bit b (LSB first)
+                  set iff new row 32w+b is visible from row i (ancestor-or-self). Bits at or past N are
+                  ignored.
+    scale         the softmax scale (usually d ** -0.5)
+    past_lengths  optional int32 [B]: request b's prefix is rows [0, past_lengths[b]) of past_key /
+                  past_value; rows at or past it are padding, never read (NaN there cannot leak). Values
+                  are clamped to [0, P]. None (the batch-1 form): all P rows are visible.
+    returns       [B, Hq, N, d], the query's dtype.
+
+Padding of a batch (requests with fewer than N nodes, TensorRT-LLM's generation lengths): rows past a
+request's generation length have empty mask rows (`jetflow_pl.masks.pack_tree_batch`) and no valid row
+sets their bits, so they are invisible to the request's real rows; their own output is attention over the
+request's valid prefix alone, or 0 when `past_lengths[b] == 0`. Always finite for finite visible K/V.
+
+The same contract is the ONNX node `jetflow::TreeAttention` (`export/tree_attention_onnx.py`; 6 inputs,
+or 7 with `past_lengths`), the TensorRT plugin `TreeAttention` (`trt_plugins/`), the Triton kernel
+(`triton_tree_attention.py`) and the CUDA kernel. `tree_attention_reference` is written with
 export-friendly ops only (integer division against constant powers of two, no bitwise ops, no
 data-dependent shapes), so the same function is the body of the `portable` ONNX graphs.
 """
@@ -40,7 +53,8 @@ def packed_mask_to_dense(packed_mask: Tensor, n: int | torch.SymInt | None = Non
 
     Plain integer arithmetic (bit b of the unsigned word u is `u // 2**b - 2 * (u // 2**(b+1))`), not
     bitwise ops: it exports to ONNX Div/Sub/Cast that every runtime and TensorRT's parser accept
-    (TensorRT's ONNX parser only takes BitwiseAnd on bools), and traces with symbolic sizes.
+    (TensorRT's ONNX parser only takes BitwiseAnd on bools), and traces with symbolic sizes. Leading axes
+    are kept, so a batch of masks `[B, N, W]` unpacks to `[B, N, n]`.
     """
     if packed_mask.dtype != torch.int32:
         raise ValueError(f"packed_mask must be int32, got {packed_mask.dtype}")
@@ -51,6 +65,41 @@ def packed_mask_to_dense(packed_mask: Tensor, n: int | torch.SymInt | None = Non
     power = _bit_values(packed_mask.device)
     bits = torch.floor_divide(words, power) - 2 * torch.floor_divide(words, 2 * power)
     return (bits != 0).flatten(-2)[..., :n]
+
+
+def _static(*sizes: object) -> bool:
+    """True when every size is a plain int (eager, or a static axis while exporting)."""
+    return all(isinstance(s, int) for s in sizes)
+
+
+def _check_inputs(
+    query: Tensor,
+    past_key: Tensor,
+    past_value: Tensor,
+    key: Tensor,
+    value: Tensor,
+    packed_mask: Tensor,
+    past_lengths: Tensor | None,
+) -> None:
+    """Ranks, dtypes and the sizes that are known (symbolic sizes of an export are left to the graph)."""
+    _check_shapes(query, past_key, past_value, key, value)
+    if packed_mask.dtype != torch.int32:
+        raise ValueError(f"packed_mask must be int32, got {packed_mask.dtype}")
+    if packed_mask.dim() not in (2, 3):
+        raise ValueError(f"packed_mask must be [N, W] or [B, N, W], got {tuple(packed_mask.shape)}")
+    b, n = query.shape[0], query.shape[2]
+    rows, words = packed_mask.shape[-2], packed_mask.shape[-1]
+    if _static(rows, n) and rows != n:
+        raise ValueError(f"packed_mask has {rows} rows, expected N = {n} (one per query row)")
+    if _static(words, n) and words * _WORD_BITS < n:
+        raise ValueError(f"packed_mask has {words} words per row, N = {n} needs {-(-n // _WORD_BITS)}")
+    if packed_mask.dim() == 3 and _static(packed_mask.shape[0], b) and packed_mask.shape[0] != b:
+        raise ValueError(f"packed_mask is [B={packed_mask.shape[0]}, N, W] but the batch is {b}")
+    if past_lengths is not None:
+        if past_lengths.dtype != torch.int32:
+            raise ValueError(f"past_lengths must be int32, got {past_lengths.dtype}")
+        if past_lengths.dim() != 1 or (_static(past_lengths.shape[0], b) and past_lengths.shape[0] != b):
+            raise ValueError(f"past_lengths must be [B={b}], got {tuple(past_lengths.shape)}")
 
 
 def _check_shapes(query: Tensor, past_key: Tensor, past_value: Tensor, key: Tensor, value: Tensor) -> None:
@@ -65,21 +114,59 @@ def _check_shapes(query: Tensor, past_key: Tensor, past_value: Tensor, key: Tens
         raise ValueError(f"query heads {query.shape[1]} must be a multiple of KV heads {key.shape[1]} (GQA)")
 
 
+def prefix_valid(past_lengths: Tensor, num_past: int | torch.SymInt) -> Tensor:
+    """bool `[B, P]`: prefix row `p` of request `b` is valid iff `p < past_lengths[b]` (Range + Less)."""
+    rows = torch.arange(num_past, dtype=torch.int64, device=past_lengths.device)
+    return rows.unsqueeze(0) < past_lengths.to(torch.int64).unsqueeze(1)
+
+
 def tree_attention_parts(
-    query: Tensor, past_key: Tensor, past_value: Tensor, key: Tensor, value: Tensor, packed_mask: Tensor
+    query: Tensor,
+    past_key: Tensor,
+    past_value: Tensor,
+    key: Tensor,
+    value: Tensor,
+    packed_mask: Tensor,
+    past_lengths: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The contract as dense attention inputs: K `[B,Hkv,P+N,d]`, V, visibility bool `[N, P+N]`."""
-    _check_shapes(query, past_key, past_value, key, value)
-    n = query.shape[2]
-    keys = torch.cat([past_key.to(query.dtype), key], dim=2)
-    values = torch.cat([past_value.to(query.dtype), value], dim=2)
-    tree_visible = packed_mask_to_dense(packed_mask, n)  # [N, N]
-    prefix_visible = torch.ones_like(tree_visible[:, :1]).expand(n, past_key.shape[2])
-    return keys, values, torch.cat([prefix_visible, tree_visible], dim=1)
+    """The contract as dense attention inputs: K `[B,Hkv,P+N,d]`, V, visibility bool.
+
+    Visibility is `[N, P+N]` (shared by the batch: a 2-D mask and no `past_lengths`, the batch-1 graphs
+    stay as they were) or `[B, 1, N, P+N]` (per request; broadcast over heads). Padding prefix rows are
+    replaced by zeros in K and V, so whatever they hold (NaN included) cannot reach a valid row through
+    `0 * NaN` in the softmax-weighted sum.
+    """
+    _check_inputs(query, past_key, past_value, key, value, packed_mask, past_lengths)
+    n, p = query.shape[2], past_key.shape[2]
+    past_key, past_value = past_key.to(query.dtype), past_value.to(query.dtype)
+    tree_visible = packed_mask_to_dense(packed_mask, n)  # [N, N] or [B, N, N]
+    if past_lengths is None:
+        prefix_visible = torch.ones_like(tree_visible[..., :1]).expand(*tree_visible.shape[:-1], p)
+    else:
+        valid = prefix_valid(past_lengths, p)  # [B, P]
+        keep = valid[:, None, :, None]
+        past_key = torch.where(keep, past_key, torch.zeros_like(past_key))
+        past_value = torch.where(keep, past_value, torch.zeros_like(past_value))
+        if tree_visible.dim() == 2:
+            tree_visible = tree_visible.unsqueeze(0).expand(query.shape[0], n, n)
+        prefix_visible = valid.unsqueeze(1).expand(query.shape[0], n, p)
+    visible = torch.cat([prefix_visible, tree_visible], dim=-1)
+    if visible.dim() == 3:
+        visible = visible.unsqueeze(1)  # [B, 1, N, P+N]
+    keys = torch.cat([past_key, key], dim=2)
+    values = torch.cat([past_value, value], dim=2)
+    return keys, values, visible
+
+
+def _zero_empty_rows(out: Tensor, visible: Tensor) -> Tensor:
+    """Rows that see nothing are 0 (eager SDPA already gives 0; exported softmaxes may average or NaN)."""
+    seen = visible.any(dim=-1, keepdim=True)  # [N, 1] or [B, 1, N, 1]
+    return torch.where(seen, out, torch.zeros_like(out))
 
 
 def dense_attention(query: Tensor, keys: Tensor, values: Tensor, visible: Tensor, scale: float) -> Tensor:
-    """SDPA over `[B,Hkv,S,d]` K/V (GQA expanded here) with a bool visibility mask `[N, S]`."""
+    """SDPA over `[B,Hkv,S,d]` K/V (GQA expanded here) with a bool visibility mask `[N, S]` or
+    `[B, 1, N, S]`."""
     b, hq, _, d = query.shape
     hkv = keys.shape[1]
     group = hq // hkv
@@ -98,10 +185,13 @@ def tree_attention_reference(
     value: Tensor,
     packed_mask: Tensor,
     scale: float,
+    past_lengths: Tensor | None = None,
 ) -> Tensor:
     """Reference implementation (SDPA with a dense boolean mask); see the module docstring."""
-    keys, values, visible = tree_attention_parts(query, past_key, past_value, key, value, packed_mask)
-    return dense_attention(query, keys, values, visible, scale)
+    keys, values, visible = tree_attention_parts(
+        query, past_key, past_value, key, value, packed_mask, past_lengths
+    )
+    return _zero_empty_rows(dense_attention(query, keys, values, visible, scale), visible)
 
 
 @torch.library.custom_op("jetflow::masked_attention", mutates_args=())
@@ -124,10 +214,14 @@ def tree_attention_via_masked_attention(
     value: Tensor,
     packed_mask: Tensor,
     scale: float,
+    past_lengths: Tensor | None = None,
 ) -> Tensor:
-    """The contract with the mask unpacked in standard ops and the attention itself one `Attention` node."""
-    keys, values, visible = tree_attention_parts(query, past_key, past_value, key, value, packed_mask)
-    return masked_attention(query, keys, values, visible, scale)
+    """The contract with the mask unpacked in standard ops and the attention itself one `Attention` node
+    (plus a `Where` that pins rows which see nothing to 0, whatever the runtime's Attention gives there)."""
+    keys, values, visible = tree_attention_parts(
+        query, past_key, past_value, key, value, packed_mask, past_lengths
+    )
+    return _zero_empty_rows(masked_attention(query, keys, values, visible, scale), visible)
 
 
 @torch.library.custom_op("jetflow::tree_attention", mutates_args=())
@@ -139,21 +233,23 @@ def tree_attention(
     value: Tensor,
     packed_mask: Tensor,
     scale: float,
+    past_lengths: Tensor | None = None,
 ) -> Tensor:
     """`torch.ops.jetflow.tree_attention`: an opaque node for export; computes the reference on eager."""
-    return tree_attention_reference(query, past_key, past_value, key, value, packed_mask, scale)
+    return tree_attention_reference(query, past_key, past_value, key, value, packed_mask, scale, past_lengths)
 
 
 @tree_attention.register_fake
-def _tree_attention_fake(query, past_key, past_value, key, value, packed_mask, scale):  # noqa: ARG001
+def _tree_attention_fake(query, past_key, past_value, key, value, packed_mask, scale, past_lengths=None):  # noqa: ARG001
     return torch.empty_like(query)
 
 
 @tree_attention.register_kernel("cuda")
-def _tree_attention_cuda(query, past_key, past_value, key, value, packed_mask, scale):
+def _tree_attention_cuda(query, past_key, past_value, key, value, packed_mask, scale, past_lengths=None):
     """On CUDA tensors the op runs the Triton kernel (same contract), or the reference without Triton."""
     from jetflow_pl.ops.triton_tree_attention import is_triton_available, tree_attention_triton
 
+    args = (query, past_key, past_value, key, value, packed_mask, scale)
     if is_triton_available():
-        return tree_attention_triton(query, past_key, past_value, key, value, packed_mask, scale)
-    return tree_attention_reference(query, past_key, past_value, key, value, packed_mask, scale)
+        return tree_attention_triton(*args, past_lengths=past_lengths)
+    return tree_attention_reference(*args, past_lengths)

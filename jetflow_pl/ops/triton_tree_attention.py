@@ -11,8 +11,10 @@ Design (one program = one tile of BLOCK_M query rows of one (batch row, KV head)
   instead of once per query head.
 * Two passes over keys with one online softmax (fp32 running max / sum / accumulator, base-2 exponent
   with `scale * log2(e)` folded into the logits): the prefix `past_*` (every row visible, only bounds
-  masking) and then the tree keys, whose visibility bits are read straight from the packed int32 mask
-  (row i, word j // 32, bit j % 32) - no dense mask is ever built.
+  masking; with `past_lengths` the loop stops at request b's length, so padding rows are never loaded)
+  and then the tree keys, whose visibility bits are read straight from the packed int32 mask (request
+  b's mask, or the shared one through a batch stride of 0; row i, word j // 32, bit j % 32) - no dense
+  mask is ever built.
 * Tree tiles whose visibility bits are all zero for the current rows are skipped (for ancestor masks
   that is every tile above the diagonal).
 * A row that sees nothing (P = 0 and an empty mask row; never the case for a tree, whose rows see
@@ -37,11 +39,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .tree_attention import _check_shapes
+from .tree_attention import _check_inputs
 
 __all__ = ["is_triton_available", "tree_attention_triton"]
 
-_WORD_BITS = 32
 _LOG2E = 1.4426950408889634
 
 # Filled by `_load_triton()`. The kernel body below resolves `tl` from this module's globals (the
@@ -106,6 +107,7 @@ def _tree_attention_kernel(
     K,
     V,
     MASK,
+    PAST_LEN,
     OUT,
     PART_ACC,
     PART_M,
@@ -134,6 +136,7 @@ def _tree_attention_kernel(
     so_h,
     so_n,
     so_d,
+    sm_b,
     sm_n,
     sm_w,
     N,
@@ -149,6 +152,7 @@ def _tree_attention_kernel(
     BLOCK_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     SPLIT: tl.constexpr,
+    HAS_PAST_LEN: tl.constexpr,
 ):
     """Kernel body (wrapped by `triton.jit` lazily in `_kernel`); see the module docstring.
 
@@ -178,13 +182,18 @@ def _tree_attention_kernel(
     l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, dtype=tl.float32)
 
-    # ---- pass 1: this split's slice of the KV prefix, visible from every row -----------------------
+    # ---- pass 1: this split's slice of the request's valid prefix, visible from every row ----------
+    if HAS_PAST_LEN:  # rows at or past past_lengths[b] are padding: never loaded
+        p_valid = tl.minimum(tl.maximum(tl.load(PAST_LEN + b), 0), P)
+    else:
+        p_valid = P
     pk_base = PK + b * spk_b + hkv * spk_h
     pv_base = PV + b * spv_b + hkv * spv_h
     lo = pid_s * kv_per_split
-    for start in range(0, kv_per_split, BLOCK_N):  # kv_per_split is a multiple of BLOCK_N
-        cols = lo + start + tl.arange(0, BLOCK_N)
-        col_ok = cols < P
+    hi = tl.minimum(lo + kv_per_split, p_valid)  # kv_per_split is a multiple of BLOCK_N
+    for start in range(lo, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < hi
         kt = tl.load(
             pk_base + cols[None, :] * spk_p + offs_d[:, None] * spk_d,
             mask=d_ok[:, None] & col_ok[None, :],
@@ -213,7 +222,7 @@ def _tree_attention_kernel(
             cols = start + tl.arange(0, BLOCK_N)
             col_ok = cols < N
             words = tl.load(
-                MASK + node[:, None] * sm_n + (cols // 32)[None, :] * sm_w,
+                MASK + b * sm_b + node[:, None] * sm_n + (cols // 32)[None, :] * sm_w,
                 mask=row_ok[:, None] & col_ok[None, :],
                 other=0,
             )
@@ -346,6 +355,7 @@ def tree_attention_triton(
     value: Tensor,
     packed_mask: Tensor,
     scale: float,
+    past_lengths: Tensor | None = None,
     *,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -354,7 +364,8 @@ def tree_attention_triton(
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> Tensor:
-    """`jetflow::tree_attention` with the Triton kernel; same arguments and result as the reference.
+    """`jetflow::tree_attention` with the Triton kernel; same arguments and result as the reference
+    (`packed_mask` `[N, W]` shared or `[B, N, W]` per request, `past_lengths` int32 `[B]` or None).
 
     Keyword-only knobs (tests and benchmarks): `block_m` / `block_n` tile sizes (powers of two >= 16),
     `num_splits` KV splits of the prefix (None: automatic, 1: none), `input_precision` for fp32 inputs
@@ -367,18 +378,13 @@ def tree_attention_triton(
     """
     kernel, combine = _kernels()  # raises the ImportError first when triton is missing
     interpret = _interpret_mode()
-    _check_shapes(query, past_key, past_value, key, value)
+    _check_inputs(query, past_key, past_value, key, value, packed_mask, past_lengths)
     b, hq, n, d = query.shape
     hkv, p = key.shape[1], past_key.shape[2]
     if key.shape[0] != b or key.shape[2] != n or key.shape[3] != d:
         raise ValueError(f"key shape {tuple(key.shape)} does not match query {tuple(query.shape)}")
     if past_key.shape[0] != b or past_key.shape[1] != hkv or past_key.shape[3] != d:
         raise ValueError(f"past_key shape {tuple(past_key.shape)} does not match key {tuple(key.shape)}")
-    if packed_mask.dtype != torch.int32:
-        raise ValueError(f"packed_mask must be int32, got {packed_mask.dtype}")
-    words = (n + _WORD_BITS - 1) // _WORD_BITS
-    if packed_mask.dim() != 2 or packed_mask.shape[0] != n or packed_mask.shape[1] < words:
-        raise ValueError(f"packed_mask must be [N={n}, >= {words}] int32, got {tuple(packed_mask.shape)}")
     if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"query dtype must be float32, float16 or bfloat16, got {query.dtype}")
 
@@ -388,6 +394,9 @@ def tree_attention_triton(
     if p == 0:  # never read; avoids handing the launcher a null pointer of an empty tensor
         past_key, past_value = key, value
     mask = packed_mask.to(device)
+    mask_b_stride = mask.stride(0) if mask.dim() == 3 else 0  # a 2-D mask is shared by the batch
+    has_past_len = past_lengths is not None
+    lengths = past_lengths.to(device).contiguous() if has_past_len else mask  # never read without them
     out = torch.empty_like(query)
     if out.numel() == 0:
         return out
@@ -418,6 +427,7 @@ def tree_attention_triton(
         key,
         value,
         mask,
+        lengths,
         out,
         part_acc,
         part_m,
@@ -428,7 +438,8 @@ def tree_attention_triton(
         *key.stride(),
         *value.stride(),
         *out.stride(),
-        *mask.stride(),
+        mask_b_stride,
+        *mask.stride()[-2:],
         n,
         p,
         d,
@@ -442,6 +453,7 @@ def tree_attention_triton(
         BLOCK_D=block_d,
         INPUT_PRECISION=input_precision,
         SPLIT=split,
+        HAS_PAST_LEN=has_past_len,
         num_warps=num_warps,
         num_stages=num_stages,
     )
