@@ -1,12 +1,13 @@
 """Build checks for the TensorRT `TreeAttention` plugin (trt_plugins/tree_attention) and its CUDA kernel.
 
-1. The kernel compiles with nvcc to sm_80 and sm_90 object code, warning-free, with every
-   (dtype, head size) instantiation present. Needs only nvcc, so it runs on CPU-only CI.
+1. The kernel compiles with nvcc to sm_80 and sm_90 object code, warning-free and without register
+   spills, with every (dtype, head size) instantiation present. Needs only nvcc, so it runs on CPU-only CI.
 2. Where TensorRT headers are found, CMake builds the plugin library and its smoke test runs: entry
    points, creator lookup, plugin creation, output count/types/shapes (plus numerics when a GPU exists),
    and the library must not depend on libnvinfer.
 3. On a GPU (`pytest -m gpu`), the torch extension built on the same kernel matches
-   `jetflow_pl.ops.tree_attention_reference`.
+   `jetflow_pl.ops.tree_attention_reference`, shared masks and batches (per-request masks and prefix
+   lengths) alike.
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ def test_kernel_compiles_to_object_code(arch: str, tmp_path: Path) -> None:
     assert len(kernels) == N_INSTANTIATIONS, (
         f"expected {N_INSTANTIATIONS} kernels for {arch}, got {sorted(kernels)}"
     )
+    # No instantiation keeps any of its state in local memory: ptxas reports zero spill bytes for each.
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", proc.stdout + proc.stderr)
+    assert len(spills) >= N_INSTANTIATIONS and all(a == b == "0" for a, b in spills), spills
     # The host launcher the plugin and the torch extension call is defined in the object.
     nm = shutil.which("nm")
     if nm is not None:
@@ -197,4 +201,42 @@ def test_torch_extension_matches_reference(case: tuple, dtype: torch.dtype) -> N
     cuda = [t.cuda() for t in (q, pk, pv, k, v, mask)]
     got = ext.tree_attention_cuda(*cuda, scale)
     assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float().cpu(), want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+# (Hq, Hkv, tree sizes per request, past lengths per request, padded prefix P, d)
+BATCHED_CASES = [
+    (4, 2, (40, 5, 1), (17, 0, 33), 40, 64),  # two-word and one-word trees, a request with no prefix
+    (8, 2, (256, 70, 129, 3), (300, 0, 1000, 31), 1024, 128),  # N = 256 (8 words), long ragged prefixes
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", BATCHED_CASES, ids=lambda c: "Hq{}-Hkv{}-n{}-p{}-P{}-d{}".format(*c))
+def test_torch_extension_batched_matches_reference(case: tuple, dtype: torch.dtype) -> None:
+    """Per-request [B, N, W] masks and past_lengths; NaN in every padding prefix row must not leak."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (torch.cuda.is_available() is False)")
+    from jetflow_pl.masks import pack_mask_batch
+
+    hq, hkv, sizes, lengths, p, d = case
+    gen = torch.Generator().manual_seed(sum(sizes) + p)
+    mask, _ = pack_mask_batch([_tree_mask(n, "tree", gen) for n in sizes])
+    b, n = mask.shape[0], mask.shape[1]
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    q, k, v = rand(b, hq, n, d), rand(b, hkv, n, d), rand(b, hkv, n, d)
+    pk, pv = rand(b, hkv, p, d), rand(b, hkv, p, d)
+    for i, length in enumerate(lengths):
+        pk[i, :, length:] = float("nan")
+        pv[i, :, length:] = float("nan")
+    past_lengths = torch.tensor(lengths, dtype=torch.int32)
+    scale = d**-0.5
+    want = tree_attention_reference(*(t.float() for t in (q, pk, pv, k, v)), mask, scale, past_lengths)
+    ext = _load_torch_ext()
+    got = ext.tree_attention_cuda(*(t.cuda() for t in (q, pk, pv, k, v, mask)), scale, past_lengths.cuda())
+    assert got.dtype == dtype and got.shape == q.shape and torch.isfinite(got).all()
     torch.testing.assert_close(got.float().cpu(), want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])

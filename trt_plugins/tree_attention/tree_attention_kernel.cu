@@ -1,8 +1,9 @@
 // Tree attention CUDA kernel (see tree_attention_kernel.cuh for the contract).
 //
-// Work split: one thread block per (query-row tile, query head, batch row); one warp per query row, so a
+// Work split: one thread block per (query-row tile, query head, request); one warp per query row, so a
 // block of kRowsPerBlock warps shares every K/V tile it loads into shared memory. Keys are visited in
-// tiles of 32: first the P prefix rows (always visible), then the N tree rows, whose tile t lines up with
+// tiles of 32: first the request's valid prefix rows (visible from every row; the loop ends at
+// past_lengths[b], so padding rows are never loaded), then the N tree rows, whose tile t lines up with
 // mask word t, so a lane's visibility is one bit of one word. Each lane scores one key of the tile, the
 // warp folds the 32 scores into a running (max, sum, accumulator) online softmax in fp32, and each lane
 // owns d / 32 output dimensions. Nothing is sized by P, so the prefix can be arbitrarily long.
@@ -22,6 +23,9 @@ constexpr int kWarpSize = 32;
 constexpr int kTileKeys = 32;      // one key per lane; also the bits in one mask word
 constexpr int kRowsPerBlock = 8;   // warps (= query rows) per block sharing one K/V tile
 constexpr int kThreads = kRowsPerBlock * kWarpSize;
+// Occupancy hint for ptxas (at most 64 registers per thread): without it, ptxas 13 aims at ~40-48
+// registers for some instantiations and spills a few bytes of the online-softmax state to local memory.
+constexpr int kMinBlocksPerSm = 4;
 constexpr unsigned kFullWarp = 0xffffffffu;
 constexpr float kLog2e = 1.4426950408889634f;  // scores are kept in base 2 so exp2f can be used
 
@@ -87,7 +91,7 @@ struct RowState {
 // Loads `count` (<= 32) consecutive K/V rows starting at `key`/`value` into the tile; the rest of the
 // tile is zero-filled so that no stale value can reach the accumulator as 0 * NaN.
 template <typename T, int D>
-__device__ void loadTile(SharedTiles<D>& s, T const* __restrict__ key, T const* __restrict__ value,
+__device__ __forceinline__ void loadTile(SharedTiles<D>& s, T const* __restrict__ key, T const* __restrict__ value,
                          int count)
 {
     for (int idx = threadIdx.x; idx < kTileKeys * D; idx += kThreads) {
@@ -107,7 +111,7 @@ __device__ void loadTile(SharedTiles<D>& s, T const* __restrict__ key, T const* 
 // Folds the tile in shared memory into `st` for query row `row` of the block. `visible` is this lane's
 // key (lane < count is implied by the caller); must be called by all 32 lanes of the warp.
 template <int D>
-__device__ void attendTile(SharedTiles<D> const& s, int row, int count, bool visible, RowState<D>& st)
+__device__ __forceinline__ void attendTile(SharedTiles<D> const& s, int row, int count, bool visible, RowState<D>& st)
 {
     int const lane = threadIdx.x % kWarpSize;
     float score = -INFINITY;
@@ -142,7 +146,7 @@ __device__ void attendTile(SharedTiles<D> const& s, int row, int count, bool vis
 }
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) treeAttentionKernel(TreeAttentionParams p)
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) treeAttentionKernel(TreeAttentionParams p)
 {
     static_assert(D % kWarpSize == 0, "head size must be a multiple of the warp size");
     __shared__ SharedTiles<D> s;
@@ -158,14 +162,10 @@ __global__ void __launch_bounds__(kThreads) treeAttentionKernel(TreeAttentionPar
 
     int64_t const qBase = (static_cast<int64_t>(batch) * p.num_heads + head) * p.num_new * D;
     int64_t const kvHeadIndex = static_cast<int64_t>(batch) * p.num_kv_heads + kvHead;
-    T const* query = static_cast<T const*>(p.query) + qBase;
-    T* out = static_cast<T*>(p.out) + qBase;
-    T const* pastKey = static_cast<T const*>(p.past_key) + kvHeadIndex * p.num_past * D;
-    T const* pastValue = static_cast<T const*>(p.past_value) + kvHeadIndex * p.num_past * D;
-    T const* key = static_cast<T const*>(p.key) + kvHeadIndex * p.num_new * D;
-    T const* value = static_cast<T const*>(p.value) + kvHeadIndex * p.num_new * D;
-
+    // Pointers are formed where they are used (from the kernel parameters), which keeps the live
+    // register set of each loop small enough that ptxas never spills.
     float const qScale = p.scale * kLog2e;
+    T const* query = static_cast<T const*>(p.query) + qBase;
 #pragma unroll
     for (int c = 0; c < D / kWarpSize; ++c) {
         int const dim = lane + c * kWarpSize;
@@ -180,37 +180,52 @@ __global__ void __launch_bounds__(kThreads) treeAttentionKernel(TreeAttentionPar
         st.acc[c] = 0.f;
     }
 
-    // 1) KV prefix: always visible, no mask test.
-    for (int start = 0; start < p.num_past; start += kTileKeys) {
-        int const count = min(kTileKeys, p.num_past - start);
-        __syncthreads();  // every warp is done with the previous tile (and q is written, first time)
-        loadTile<T, D>(s, pastKey + static_cast<int64_t>(start) * D, pastValue + static_cast<int64_t>(start) * D,
-                       count);
-        __syncthreads();
-        if (rowValid) {
-            attendTile<D>(s, warp, count, lane < count, st);
+    // 1) The request's valid KV prefix: visible from every row, no mask test. numPast is block-uniform
+    //    (one request per block), so every warp reaches the same barriers.
+    {
+        int const numPast =
+            p.past_lengths != nullptr ? min(max(p.past_lengths[batch], 0), p.num_past) : p.num_past;
+        T const* pastKey = static_cast<T const*>(p.past_key) + kvHeadIndex * p.num_past * D;
+        T const* pastValue = static_cast<T const*>(p.past_value) + kvHeadIndex * p.num_past * D;
+        for (int start = 0; start < numPast; start += kTileKeys) {
+            int const count = min(kTileKeys, numPast - start);
+            __syncthreads();  // every warp is done with the previous tile (and q is written, first time)
+            loadTile<T, D>(s, pastKey + static_cast<int64_t>(start) * D,
+                           pastValue + static_cast<int64_t>(start) * D, count);
+            __syncthreads();
+            if (rowValid) {
+                attendTile<D>(s, warp, count, lane < count, st);
+            }
         }
     }
 
-    // 2) Tree rows: tile t is mask word t. A tile no row of this block can see is not even loaded.
-    int const numTiles = (p.num_new + kTileKeys - 1) / kTileKeys;
-    for (int tile = 0; tile < numTiles; ++tile) {
-        int const start = tile * kTileKeys;
-        int const count = min(kTileKeys, p.num_new - start);
-        uint32_t const word =
-            rowValid ? static_cast<uint32_t>(p.packed_mask[static_cast<int64_t>(row) * p.mask_words + tile]) : 0u;
-        // Also the barrier that ends the previous tile's use of shared memory.
-        if (!__syncthreads_or(word != 0u)) {
-            continue;
-        }
-        loadTile<T, D>(s, key + static_cast<int64_t>(start) * D, value + static_cast<int64_t>(start) * D, count);
-        __syncthreads();
-        if (word != 0u) {  // bits at or past `count` (beyond N) are ignored
-            attendTile<D>(s, warp, count, lane < count && ((word >> lane) & 1u) != 0u, st);
+    // 2) Tree rows: tile t is mask word t of the request's mask row. A tile no row of this block can see
+    //    is not even loaded.
+    {
+        T const* key = static_cast<T const*>(p.key) + kvHeadIndex * p.num_new * D;
+        T const* value = static_cast<T const*>(p.value) + kvHeadIndex * p.num_new * D;
+        int32_t const* maskRow = p.packed_mask + static_cast<int64_t>(batch) * p.mask_batch_stride
+                                 + static_cast<int64_t>(row) * p.mask_words;
+        int const numTiles = (p.num_new + kTileKeys - 1) / kTileKeys;
+        for (int tile = 0; tile < numTiles; ++tile) {
+            int const start = tile * kTileKeys;
+            int const count = min(kTileKeys, p.num_new - start);
+            uint32_t const word = rowValid ? static_cast<uint32_t>(maskRow[tile]) : 0u;
+            // Also the barrier that ends the previous tile's use of shared memory.
+            if (!__syncthreads_or(word != 0u)) {
+                continue;
+            }
+            loadTile<T, D>(s, key + static_cast<int64_t>(start) * D, value + static_cast<int64_t>(start) * D,
+                           count);
+            __syncthreads();
+            if (word != 0u) {  // bits at or past `count` (beyond N) are ignored
+                attendTile<D>(s, warp, count, lane < count && ((word >> lane) & 1u) != 0u, st);
+            }
         }
     }
 
     if (rowValid) {
+        T* out = static_cast<T*>(p.out) + qBase;
         float const inv = st.l > 0.f ? 1.f / st.l : 0.f;
 #pragma unroll
         for (int c = 0; c < D / kWarpSize; ++c) {
@@ -250,7 +265,7 @@ bool validShapes(TreeAttentionParams const& p)
     if (p.num_heads > kMaxGridYZ || p.batch > kMaxGridYZ) {
         return false;
     }
-    if (p.mask_words < (p.num_new + kTileKeys - 1) / kTileKeys) {
+    if (p.mask_words < (p.num_new + kTileKeys - 1) / kTileKeys || p.mask_batch_stride < 0) {
         return false;
     }
     bool const hasPast = p.num_past == 0 || (p.past_key != nullptr && p.past_value != nullptr);

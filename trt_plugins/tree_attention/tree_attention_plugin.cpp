@@ -56,6 +56,16 @@ bool fitsInt32(int64_t v)
     return v >= 0 && v <= std::numeric_limits<int32_t>::max();
 }
 
+bool validInputCount(int32_t nbInputs)
+{
+    return nbInputs == kTreeAttentionMinInputs || nbInputs == kTreeAttentionMaxInputs;
+}
+
+bool isIndexInput(int32_t pos)
+{
+    return pos == kTreeAttentionMaskInput || pos == kTreeAttentionPastLengthsInput;
+}
+
 // The ONNX parser converts an attribute to the type getFieldNames() declares, but callers that build a
 // PluginFieldCollection by hand (or another parser version) may pass 64-bit values: accept any width.
 bool readInt(PluginField const& field, int32_t& out)
@@ -169,10 +179,11 @@ TreeAttentionPlugin::TreeAttentionPlugin(TreeAttentionConfig const& config)
 {
 }
 
-// Copies the attributes only; the serialization storage belongs to each object.
+// Copies the attributes and the input count; the serialization storage belongs to each object.
 TreeAttentionPlugin::TreeAttentionPlugin(TreeAttentionPlugin const& other)
     : TreeAttentionPlugin(other.mConfig)
 {
+    mNbInputs = other.mNbInputs;
 }
 
 nvinfer1::IPluginCapability* TreeAttentionPlugin::getCapabilityInterface(nvinfer1::PluginCapabilityType type) noexcept
@@ -213,8 +224,7 @@ int32_t TreeAttentionPlugin::getNbOutputs() const noexcept
 int32_t TreeAttentionPlugin::getOutputDataTypes(DataType* outputTypes, int32_t nbOutputs, DataType const* inputTypes,
                                                 int32_t nbInputs) const noexcept
 {
-    if (outputTypes == nullptr || inputTypes == nullptr || nbOutputs != kNbOutputs
-        || nbInputs != kTreeAttentionNbInputs) {
+    if (outputTypes == nullptr || inputTypes == nullptr || nbOutputs != kNbOutputs || !validInputCount(nbInputs)) {
         return -1;
     }
     outputTypes[0] = inputTypes[0];
@@ -226,7 +236,7 @@ int32_t TreeAttentionPlugin::getOutputShapes(DimsExprs const* inputs, int32_t nb
                                              DimsExprs* outputs, int32_t nbOutputs,
                                              nvinfer1::IExprBuilder& /*exprBuilder*/) noexcept
 {
-    if (inputs == nullptr || outputs == nullptr || nbInputs != kTreeAttentionNbInputs || nbOutputs != kNbOutputs
+    if (inputs == nullptr || outputs == nullptr || !validInputCount(nbInputs) || nbOutputs != kNbOutputs
         || inputs[0].nbDims != kRank) {
         return -1;
     }
@@ -237,7 +247,7 @@ int32_t TreeAttentionPlugin::getOutputShapes(DimsExprs const* inputs, int32_t nb
 bool TreeAttentionPlugin::supportsFormatCombination(int32_t pos, DynamicPluginTensorDesc const* inOut,
                                                     int32_t nbInputs, int32_t nbOutputs) noexcept
 {
-    if (inOut == nullptr || nbInputs != kTreeAttentionNbInputs || nbOutputs != kNbOutputs || pos < 0
+    if (inOut == nullptr || !validInputCount(nbInputs) || nbOutputs != kNbOutputs || pos < 0
         || pos >= nbInputs + nbOutputs) {
         return false;
     }
@@ -245,19 +255,21 @@ bool TreeAttentionPlugin::supportsFormatCombination(int32_t pos, DynamicPluginTe
     if (desc.format != nvinfer1::TensorFormat::kLINEAR) {
         return false;  // the kernel indexes dense row-major tensors
     }
-    if (pos == kTreeAttentionMaskInput) {
+    if (pos < nbInputs && isIndexInput(pos)) {  // packed_mask and past_lengths
         return desc.type == DataType::kINT32;
     }
     if (pos == 0) {
         return isFloatType(desc.type);
     }
-    // TensorRT has already fixed positions < pos: every other tensor follows the query's type.
+    // TensorRT has already fixed positions < pos: every other tensor (the output included, at position
+    // nbInputs) follows the query's type.
     return desc.type == inOut[0].desc.type;
 }
 
 bool TreeAttentionPlugin::checkShapes(Dims const* dims, int32_t nbInputs) const noexcept
 {
-    if (nbInputs != kTreeAttentionNbInputs) {
+    if (!validInputCount(nbInputs)) {
+        logError("expected 6 inputs (or 7 with past_lengths), got " + std::to_string(nbInputs));
         return false;
     }
     for (int32_t i = 0; i < kTreeAttentionMaskInput; ++i) {
@@ -277,11 +289,22 @@ bool TreeAttentionPlugin::checkShapes(Dims const* dims, int32_t nbInputs) const 
     Dims const& mask = dims[kTreeAttentionMaskInput];
     bool const pastOk = sameOrUnknown(dims[1].d[2], dims[2].d[2]);
     bool const newOk = sameOrUnknown(dims[3].d[2], query.d[2]) && sameOrUnknown(dims[4].d[2], query.d[2]);
-    bool const maskOk = mask.nbDims == 2 && sameOrUnknown(mask.d[0], query.d[2])
-                        && (query.d[2] < 0 || mask.d[1] < 0 || mask.d[1] * 32 >= query.d[2]);
+    // [N, W] shared by the batch, or [B, N, W] per request: the last two axes are rows and words.
+    int32_t const rowsAxis = mask.nbDims - 2;
+    bool const maskOk = (mask.nbDims == 2 || (mask.nbDims == 3 && sameOrUnknown(mask.d[0], query.d[0])))
+                        && sameOrUnknown(mask.d[rowsAxis], query.d[2])
+                        && (query.d[2] < 0 || mask.d[rowsAxis + 1] < 0 || mask.d[rowsAxis + 1] * 32 >= query.d[2]);
     if (!pastOk || !newOk || !maskOk) {
-        logError("inconsistent shapes: past_key/past_value rows, key/value/query rows N and mask [N, >= ceil(N/32)]");
+        logError("inconsistent shapes: past_key/past_value rows, key/value/query rows N and mask [N, >= ceil(N/32)] "
+                 "or [B, N, >= ceil(N/32)]");
         return false;
+    }
+    if (nbInputs == kTreeAttentionMaxInputs) {
+        Dims const& lengths = dims[kTreeAttentionPastLengthsInput];
+        if (lengths.nbDims != 1 || !sameOrUnknown(lengths.d[0], query.d[0])) {
+            logError("past_lengths must be [B]");
+            return false;
+        }
     }
     return true;
 }
@@ -289,14 +312,18 @@ bool TreeAttentionPlugin::checkShapes(Dims const* dims, int32_t nbInputs) const 
 int32_t TreeAttentionPlugin::configurePlugin(DynamicPluginTensorDesc const* in, int32_t nbInputs,
                                              DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept
 {
-    if (in == nullptr || out == nullptr || nbInputs != kTreeAttentionNbInputs || nbOutputs != kNbOutputs) {
+    if (in == nullptr || out == nullptr || !validInputCount(nbInputs) || nbOutputs != kNbOutputs) {
         return -1;
     }
-    Dims dims[kTreeAttentionNbInputs];
+    Dims dims[kTreeAttentionMaxInputs];
     for (int32_t i = 0; i < nbInputs; ++i) {
         dims[i] = in[i].desc.dims;
     }
-    return checkShapes(dims, nbInputs) ? 0 : -1;
+    if (!checkShapes(dims, nbInputs)) {
+        return -1;
+    }
+    mNbInputs = nbInputs;
+    return 0;
 }
 
 size_t TreeAttentionPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* /*inputs*/, int32_t /*nbInputs*/,
@@ -309,14 +336,18 @@ size_t TreeAttentionPlugin::getWorkspaceSize(DynamicPluginTensorDesc const* /*in
 int32_t TreeAttentionPlugin::onShapeChange(PluginTensorDesc const* in, int32_t nbInputs,
                                            PluginTensorDesc const* out, int32_t nbOutputs) noexcept
 {
-    if (in == nullptr || out == nullptr || nbInputs != kTreeAttentionNbInputs || nbOutputs != kNbOutputs) {
+    if (in == nullptr || out == nullptr || !validInputCount(nbInputs) || nbOutputs != kNbOutputs) {
         return -1;
     }
-    Dims dims[kTreeAttentionNbInputs];
+    Dims dims[kTreeAttentionMaxInputs];
     for (int32_t i = 0; i < nbInputs; ++i) {
         dims[i] = in[i].dims;
     }
-    return checkShapes(dims, nbInputs) ? 0 : -1;
+    if (!checkShapes(dims, nbInputs)) {
+        return -1;
+    }
+    mNbInputs = nbInputs;
+    return 0;
 }
 
 int32_t TreeAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTensorDesc const* /*outputDesc*/,
@@ -324,6 +355,10 @@ int32_t TreeAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTe
                                      cudaStream_t stream) noexcept
 {
     if (inputDesc == nullptr || inputs == nullptr || outputs == nullptr) {
+        return -1;
+    }
+    if (!validInputCount(mNbInputs)) {
+        logError("enqueue() before onShapeChange(): the number of inputs is unknown");
         return -1;
     }
     Dims const& query = inputDesc[0].dims;
@@ -335,7 +370,9 @@ int32_t TreeAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTe
         logError("unsupported query data type");
         return -1;
     }
-    int64_t const sizes[] = {query.d[0], query.d[1], query.d[2], query.d[3], key.d[1], pastKey.d[2], mask.d[1]};
+    bool const perRequestMask = mask.nbDims == 3;
+    int64_t const maskWords = mask.d[mask.nbDims - 1];
+    int64_t const sizes[] = {query.d[0], query.d[1], query.d[2], query.d[3], key.d[1], pastKey.d[2], maskWords};
     for (int64_t size : sizes) {
         if (!fitsInt32(size)) {
             logError("tensor dimension out of int32 range");
@@ -349,6 +386,9 @@ int32_t TreeAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTe
     params.key = inputs[3];
     params.value = inputs[4];
     params.packed_mask = static_cast<int32_t const*>(inputs[kTreeAttentionMaskInput]);
+    params.past_lengths = mNbInputs == kTreeAttentionMaxInputs
+                              ? static_cast<int32_t const*>(inputs[kTreeAttentionPastLengthsInput])
+                              : nullptr;
     params.out = outputs[0];
     params.batch = static_cast<int32_t>(query.d[0]);
     params.num_heads = static_cast<int32_t>(query.d[1]);
@@ -356,7 +396,8 @@ int32_t TreeAttentionPlugin::enqueue(PluginTensorDesc const* inputDesc, PluginTe
     params.head_size = static_cast<int32_t>(query.d[3]);
     params.num_kv_heads = static_cast<int32_t>(key.d[1]);
     params.num_past = static_cast<int32_t>(pastKey.d[2]);
-    params.mask_words = static_cast<int32_t>(mask.d[1]);
+    params.mask_words = static_cast<int32_t>(maskWords);
+    params.mask_batch_stride = perRequestMask ? mask.d[1] * maskWords : 0;  // [B, N, W] or shared [N, W]
     params.scale = mConfig.scale;
     cudaError_t const status = launchTreeAttention(params, dtype, stream);
     if (status != cudaSuccess) {

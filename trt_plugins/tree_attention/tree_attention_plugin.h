@@ -2,13 +2,15 @@
 // `jetflow::tree_attention` contract (jetflow_pl/ops/tree_attention.py). TensorRT's ONNX parser maps an
 // ONNX node with op_type "TreeAttention" to this plugin by name, passing the node's attributes as fields.
 //
-// Inputs (in this order, as in the ONNX node):
-//   0 query       [B, Hq,  N, d]   fp32 | fp16 | bf16
-//   1 past_key    [B, Hkv, P, d]   same type as query; P may be 0
-//   2 past_value  [B, Hkv, P, d]
-//   3 key         [B, Hkv, N, d]
-//   4 value       [B, Hkv, N, d]
-//   5 packed_mask [N, W]           int32, W >= ceil(N / 32)
+// Inputs (in this order, as in the ONNX node; 6, or 7 with past_lengths):
+//   0 query        [B, Hq,  N, d]           fp32 | fp16 | bf16
+//   1 past_key     [B, Hkv, P, d]           same type as query; P may be 0
+//   2 past_value   [B, Hkv, P, d]
+//   3 key          [B, Hkv, N, d]
+//   4 value        [B, Hkv, N, d]
+//   5 packed_mask  [N, W] or [B, N, W]      int32, W >= ceil(N / 32); shared by the batch, or per request
+//   6 past_lengths [B] (optional)           int32: request b sees prefix rows [0, past_lengths[b]) (clamped
+//                                           to [0, P]); without it every request sees all P rows
 // Output:
 //   0 out         [B, Hq, N, d]    same type and shape as query
 // Fields: num_heads (Hq), num_kv_heads (Hkv), head_size (d: 64 or 128), scale (float), plus the ONNX node's
@@ -27,8 +29,10 @@ namespace trt {
 constexpr char const* kTreeAttentionName = "TreeAttention";
 constexpr char const* kTreeAttentionVersion = "1";
 constexpr char const* kTreeAttentionNamespace = "";
-constexpr int32_t kTreeAttentionNbInputs = 6;
+constexpr int32_t kTreeAttentionMinInputs = 6;  // without past_lengths (the batch-1 form)
+constexpr int32_t kTreeAttentionMaxInputs = 7;  // with past_lengths
 constexpr int32_t kTreeAttentionMaskInput = 5;
+constexpr int32_t kTreeAttentionPastLengthsInput = 6;
 
 //! The plugin's attributes (everything that is serialized into an engine).
 struct TreeAttentionConfig {
@@ -95,6 +99,9 @@ private:
     bool checkShapes(nvinfer1::Dims const* inputDims, int32_t nbInputs) const noexcept;
 
     TreeAttentionConfig mConfig;
+    // Inputs of the node this instance runs (6 or 7), recorded by configurePlugin / onShapeChange because
+    // enqueue() is not told; 0 until then.
+    int32_t mNbInputs = 0;
     // Storage behind getFieldsToSerialize(); rebuilt on every call, pointing into mConfig.
     std::vector<nvinfer1::PluginField> mSerialFields;
     nvinfer1::PluginFieldCollection mSerialCollection{};

@@ -50,12 +50,14 @@ def tree_attention_cuda(
     value: Tensor,
     packed_mask: Tensor,
     scale: float,
+    past_lengths: Tensor | None = None,
 ) -> Tensor:
     """The `jetflow::tree_attention` contract (see `jetflow_pl/ops/tree_attention.py`) on the CUDA kernel.
 
     All tensors on one CUDA device; query/keys/values share one dtype (float32, float16 or bfloat16),
-    head size 64 or 128, packed_mask int32 `[N, ceil(N/32)]`. Returns `[B, Hq, N, d]` in the query's dtype.
+    head size 64 or 128, packed_mask int32 `[N, ceil(N/32)]` (shared) or `[B, N, ceil(N/32)]` (per
+    request), past_lengths int32 `[B]` or None. Returns `[B, Hq, N, d]` in the query's dtype.
     """
     return load_extension().tree_attention_cuda(
-        query, past_key, past_value, key, value, packed_mask, float(scale)
+        query, past_key, past_value, key, value, packed_mask, float(scale), past_lengths
     )

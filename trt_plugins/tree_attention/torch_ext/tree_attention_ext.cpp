@@ -41,7 +41,7 @@ void checkTensor(at::Tensor const& t, char const* name, at::Tensor const& query,
 
 at::Tensor tree_attention_cuda(at::Tensor const& query, at::Tensor const& past_key, at::Tensor const& past_value,
                                at::Tensor const& key, at::Tensor const& value, at::Tensor const& packed_mask,
-                               double scale)
+                               double scale, c10::optional<at::Tensor> const& past_lengths)
 {
     TORCH_CHECK(query.is_cuda(), "tree_attention_cuda: tensors must be on a CUDA device");
     at::ScalarType const dtype = query.scalar_type();
@@ -50,7 +50,12 @@ at::Tensor tree_attention_cuda(at::Tensor const& query, at::Tensor const& past_k
     checkTensor(past_value, "past_value", query, dtype, 4);
     checkTensor(key, "key", query, dtype, 4);
     checkTensor(value, "value", query, dtype, 4);
-    checkTensor(packed_mask, "packed_mask", query, at::kInt, 2);
+    TORCH_CHECK(packed_mask.dim() == 2 || packed_mask.dim() == 3,
+                "tree_attention_cuda: packed_mask must be [N, W] or [B, N, W], got ", packed_mask.sizes());
+    checkTensor(packed_mask, "packed_mask", query, at::kInt, packed_mask.dim());
+    if (past_lengths.has_value()) {
+        checkTensor(*past_lengths, "past_lengths", query, at::kInt, 1);
+    }
 
     int64_t const batch = query.size(0), heads = query.size(1), rows = query.size(2), headSize = query.size(3);
     int64_t const kvHeads = key.size(1), pastRows = past_key.size(2);
@@ -63,8 +68,13 @@ at::Tensor tree_attention_cuda(at::Tensor const& query, at::Tensor const& past_k
     TORCH_CHECK(kvHeads > 0 && heads % kvHeads == 0, "tree_attention_cuda: Hq must be a multiple of Hkv");
     TORCH_CHECK(jetflow::treeAttentionSupportsHeadSize(static_cast<int32_t>(headSize)),
                 "tree_attention_cuda: head size must be 64 or 128, got ", headSize);
-    TORCH_CHECK(packed_mask.size(0) == rows && packed_mask.size(1) * 32 >= rows,
-                "tree_attention_cuda: packed_mask must be [N, >= ceil(N/32)], got ", packed_mask.sizes());
+    bool const perRequestMask = packed_mask.dim() == 3;
+    int64_t const maskRows = packed_mask.size(-2), maskWords = packed_mask.size(-1);
+    TORCH_CHECK(maskRows == rows && maskWords * 32 >= rows && (!perRequestMask || packed_mask.size(0) == batch),
+                "tree_attention_cuda: packed_mask must be [N, >= ceil(N/32)] or [B, N, >= ceil(N/32)], got ",
+                packed_mask.sizes());
+    TORCH_CHECK(!past_lengths.has_value() || past_lengths->size(0) == batch,
+                "tree_attention_cuda: past_lengths must be [B], got ", past_lengths.has_value() ? past_lengths->sizes() : at::IntArrayRef{});
 
     c10::cuda::CUDAGuard const guard(query.device());
     // The kernel indexes dense row-major tensors; these are no-ops for the usual contiguous inputs.
@@ -74,6 +84,7 @@ at::Tensor tree_attention_cuda(at::Tensor const& query, at::Tensor const& past_k
     at::Tensor const k = key.contiguous();
     at::Tensor const v = value.contiguous();
     at::Tensor const mask = packed_mask.contiguous();
+    at::Tensor const lengths = past_lengths.has_value() ? past_lengths->contiguous() : at::Tensor();
     at::Tensor out = at::empty_like(q);
 
     jetflow::TreeAttentionParams params;
@@ -83,6 +94,7 @@ at::Tensor tree_attention_cuda(at::Tensor const& query, at::Tensor const& past_k
     params.key = k.data_ptr();
     params.value = v.data_ptr();
     params.packed_mask = mask.data_ptr<int32_t>();
+    params.past_lengths = lengths.defined() ? lengths.data_ptr<int32_t>() : nullptr;
     params.out = out.data_ptr();
     params.batch = toInt32(batch, "B");
     params.num_heads = toInt32(heads, "Hq");
@@ -90,7 +102,8 @@ at::Tensor tree_attention_cuda(at::Tensor const& query, at::Tensor const& past_k
     params.num_new = toInt32(rows, "N");
     params.num_past = toInt32(pastRows, "P");
     params.head_size = toInt32(headSize, "d");
-    params.mask_words = toInt32(mask.size(1), "W");
+    params.mask_words = toInt32(maskWords, "W");
+    params.mask_batch_stride = perRequestMask ? maskRows * maskWords : 0;
     params.scale = static_cast<float>(scale);
 
     cudaError_t const status =
@@ -104,5 +117,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     m.def("tree_attention_cuda", &tree_attention_cuda,
           "Tree attention with a packed int32 mask (the TensorRT TreeAttention plugin's kernel)", py::arg("query"),
           py::arg("past_key"), py::arg("past_value"), py::arg("key"), py::arg("value"), py::arg("packed_mask"),
-          py::arg("scale"));
+          py::arg("scale"), py::arg("past_lengths") = py::none());
 }
