@@ -29,9 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--variant",
         choices=VARIANTS,
-        default="plugin",
-        help="plugin: TreeAttention nodes (TensorRT plugin / onnxruntime-extensions); portable: standard ops; "
-        "attention: opset-23 Attention nodes (plugin-free TensorRT IAttention path)",
+        default=None,
+        help="portable (default without --engine): standard ONNX ops, the fast path on ONNX Runtime; plugin "
+        "(default with --engine): TreeAttention nodes for the TensorRT plugin (on ONNX Runtime a slow "
+        "Python op); attention: opset-23 Attention nodes (plugin-free TensorRT IAttention path)",
     )
     parser.add_argument(
         "--opset", type=int, default=None, help="ONNX opset (default 20; 23 for --variant attention)"
@@ -64,6 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
+    if args.variant is None:  # the variant that runs best where the engine will run
+        args.variant = "plugin" if args.engine else "portable"
     try:
         plugin = None
         if args.engine:

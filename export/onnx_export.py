@@ -72,7 +72,7 @@ class ExportSettings:
     head: Path
     target: Path
     out: Path
-    variant: str = "plugin"
+    variant: str = "portable"  # standard ops: the fast path on ONNX Runtime (plugin: for TensorRT)
     opset: int | None = None  # None: 20, or 23 for the `attention` variant
     topk: int = 8
     overwrite: bool = False
