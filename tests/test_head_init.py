@@ -61,3 +61,16 @@ def test_wrong_layer_count_or_range_is_one_error(target):
         init_head_from_target_layers(head, target, [0])
     with pytest.raises(UserInputError, match="outside the target's layers"):
         init_head_from_target_layers(head, target, [0, target.num_layers])
+
+
+def test_one_tap_below_the_slice_makes_the_fusion_the_copied_layer_input_norm(target):
+    t_idx = target.num_layers - 1
+    cfg = DraftHeadConfig.for_target(
+        target.config, num_hidden_layers=1, mask_token_id=MASK_ID, target_layer_ids=[t_idx - 1]
+    )
+    head = DraftHead(cfg)
+    copied = init_head_from_target_layers(head, target, [t_idx])
+    assert "fc.weight" in copied
+    x = torch.randn(3, target.hidden_size) * 5
+    # the head's fused context is exactly what the target layer's attention projects: its input norm of x
+    torch.testing.assert_close(head.fuse(x), target.layers[t_idx].input_layernorm(x))

@@ -6,8 +6,14 @@ random weights, which matters most when training compute is small (a CPU, a shor
 layers are Qwen3-style: every projection, MLP and pre-norm has a counterpart in a Llama/Qwen2/Qwen3/
 Mistral target layer and is copied; the per-head q/k RMSNorms exist only in Qwen3 targets (copied then,
 left at their initial ones otherwise). The head's final norm is copied from the target's final norm, so
-a head initialised from the last layers feeds the target's lm_head the way the target does. The fused
-context (`fc`, `hidden_norm`) has no counterpart and keeps its initialisation.
+a head initialised from the last layers feeds the target's lm_head the way the target does.
+
+The fused context (`fc`, `hidden_norm`) has a counterpart only in one case: a head with ONE tap, the
+output of the target layer just below the first copied layer (`target_layer_ids == [ids[0] - 1]`). Its
+context `hidden_norm(fc(x))` then becomes exactly that layer's input norm `input_layernorm(x)` with
+`fc = I` and `hidden_norm.weight` = the copied layer's input-norm weight: the head's first layer sees the
+context K/V the target layer computes (later head layers see the same context, an approximation). In
+every other case the fusion keeps its random initialisation.
 """
 
 from __future__ import annotations
@@ -69,4 +75,12 @@ def init_head_from_target_layers(head, target, layer_ids: Sequence[int]) -> list
             copied.append(f"layers.{h_idx}.{name}")
     head.norm.weight.copy_(target.final_norm.weight.to(head.norm.weight.dtype))
     copied.append("norm.weight")
+    if (
+        list(head.target_layer_ids) == [layer_ids[0] - 1]
+        and head.fc.weight.shape[0] == head.fc.weight.shape[1]
+    ):
+        head.fc.weight.copy_(torch.eye(head.fc.weight.shape[0], dtype=head.fc.weight.dtype))
+        norm = target.layers[layer_ids[0]].input_layernorm.weight
+        head.hidden_norm.weight.copy_(norm.to(head.hidden_norm.weight.dtype))
+        copied += ["fc.weight", "hidden_norm.weight"]
     return copied
