@@ -419,6 +419,9 @@ class DistillDataModule(LightningDataModule):
         teacher_cache_shard_mb: approximate shard size of a new cache (what the builder holds in memory).
         teacher_cache_batch_tokens: padded tokens per target forward while building.
         teacher_cache_device: where the target runs while building (default: CUDA when available).
+        teacher_cache_taps: target layers a new cache stores (default: the head's `target_layer_ids`). A
+            superset lets one cache serve heads with different taps (a tap sweep computes the target
+            once); a cache is usable by any head whose layers it holds.
     """
 
     def __init__(
@@ -442,6 +445,7 @@ class DistillDataModule(LightningDataModule):
         teacher_cache_shard_mb: float = 128.0,
         teacher_cache_batch_tokens: int = 4096,
         teacher_cache_device: str | None = None,
+        teacher_cache_taps: list[int] | None = None,
     ) -> None:
         super().__init__()
         if dataset_path is not None and documents is not None:
@@ -499,6 +503,7 @@ class DistillDataModule(LightningDataModule):
         self.teacher_cache_shard_mb = float(teacher_cache_shard_mb)
         self.teacher_cache_batch_tokens = int(teacher_cache_batch_tokens)
         self.teacher_cache_device = teacher_cache_device
+        self.teacher_cache_taps = [int(i) for i in teacher_cache_taps] if teacher_cache_taps else None
         self.train_rows: dict[str, torch.Tensor] | None = None
         self.val_rows: dict[str, torch.Tensor] | None = None
         self.train_segments: list | None = None
@@ -583,18 +588,30 @@ class DistillDataModule(LightningDataModule):
         device = self.teacher_cache_device
         if device is None and torch.cuda.is_available():
             device = "cuda"
+        head_taps = list(target.tap_layer_ids)
+        cache_taps = self.teacher_cache_taps or head_taps
+        missing = [i for i in head_taps if i not in cache_taps]
+        if missing:
+            raise UserInputError(
+                f"teacher_cache_taps {cache_taps} lacks the head's target_layer_ids {missing}: the cache must "
+                "hold every layer the head taps"
+            )
         rank_zero_info(f"[DistillDataModule] teacher cache {self.teacher_cache!r}: checking / building")
-        stats = build_teacher_cache(
-            self.teacher_cache,
-            target,
-            target_path,
-            open_regenerated(self.dataset_path),
-            storage_dtype=self.teacher_cache_dtype,
-            shard_mb=self.teacher_cache_shard_mb,
-            batch_tokens=self.teacher_cache_batch_tokens,
-            device=device,
-            progress=progress,
-        )
+        target.set_taps(cache_taps)
+        try:
+            stats = build_teacher_cache(
+                self.teacher_cache,
+                target,
+                target_path,
+                open_regenerated(self.dataset_path),
+                storage_dtype=self.teacher_cache_dtype,
+                shard_mb=self.teacher_cache_shard_mb,
+                batch_tokens=self.teacher_cache_batch_tokens,
+                device=device,
+                progress=progress,
+            )
+        finally:
+            target.set_taps(head_taps)
         if stats.shards_built:
             rank_zero_info(
                 f"[DistillDataModule] teacher cache {self.teacher_cache!r}: {stats.shards_built} of "

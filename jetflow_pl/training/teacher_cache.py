@@ -176,9 +176,18 @@ def _short(value: Any) -> str:
     return json.dumps(value)
 
 
-def fingerprint_mismatch(stored: dict, expected: dict) -> str | None:
-    """A short description of the first differing fingerprint field, or None when they agree."""
+def fingerprint_mismatch(stored: dict, expected: dict, taps_subset: bool = False) -> str | None:
+    """A short description of the first differing fingerprint field, or None when they agree.
+
+    `taps_subset`: the cache may store more tapped layers than expected (a cache built once with every
+    layer a tap sweep needs serves each head its own layers); the others must agree exactly."""
     for key, name in _FIELD_NAMES.items():
+        if key == "tap_layer_ids" and taps_subset:
+            if set(expected.get(key) or ()) <= set(stored.get(key) or ()):
+                continue
+            return (
+                f"{name} (cache: {_short(stored.get(key))}, now: {_short(expected.get(key))}, not a subset)"
+            )
         if stored.get(key) != expected.get(key):
             return f"{name} (cache: {_short(stored.get(key))}, now: {_short(expected.get(key))})"
     return None
@@ -400,7 +409,7 @@ def build_teacher_cache(
                 "or point teacher_cache elsewhere"
             )
         meta = _read_meta(dest)
-        _check_fingerprint(dest, meta, fp)
+        _check_fingerprint(dest, meta, fp, taps_subset=True)
         return BuildStats(dest, len(meta["shards"]), 0, 0, time.monotonic() - t0, 0)
 
     stage = staging_path(dest)
@@ -544,8 +553,8 @@ def _shard_ok(path: Path, sh: dict, fp_hash: str, safe_open) -> bool:
         return False
 
 
-def _check_fingerprint(folder: Path, meta: dict, expected: dict) -> None:
-    diff = fingerprint_mismatch(meta.get("fingerprint", {}), expected)
+def _check_fingerprint(folder: Path, meta: dict, expected: dict, taps_subset: bool = False) -> None:
+    diff = fingerprint_mismatch(meta.get("fingerprint", {}), expected, taps_subset)
     if diff:
         raise TeacherCacheError(
             f"teacher_cache {str(folder)!r} was built for another {diff}; delete it to rebuild, or point "
@@ -576,11 +585,20 @@ class TeacherCache:
             raise TeacherCacheError(f"teacher_cache {str(self.path)!r} is not a finished teacher cache{hint}")
         self.meta = _read_meta(self.path)
         if expected_fingerprint is not None:
-            _check_fingerprint(self.path, self.meta, expected_fingerprint)
+            _check_fingerprint(self.path, self.meta, expected_fingerprint, taps_subset=True)
         lay = self.meta["layout"]
         self.hidden_size = int(lay["hidden_size"])
-        self.taps_dim = int(lay["taps_dim"])
-        self.tap_layer_ids = tuple(lay["tap_layer_ids"])
+        self.stored_tap_layer_ids = tuple(lay["tap_layer_ids"])
+        # a cache holding more layers than the head taps serves the head's own, in the head's order
+        wanted = tuple(expected_fingerprint["tap_layer_ids"]) if expected_fingerprint else None
+        self._columns: torch.Tensor | None = None
+        if wanted is not None and wanted != self.stored_tap_layer_ids:
+            H = self.hidden_size
+            self._columns = torch.cat(
+                [torch.arange(H) + H * self.stored_tap_layer_ids.index(i) for i in wanted]
+            )
+        self.tap_layer_ids = wanted or self.stored_tap_layer_ids
+        self.taps_dim = len(self.tap_layer_ids) * self.hidden_size
         self.storage_dtype = STORAGE_DTYPES[lay["storage_dtype"]]
         self._starts = [int(sh["rows"][0]) for sh in self.meta["shards"]]
         self._offsets: list[list[int]] = []
@@ -621,7 +639,8 @@ class TeacherCache:
     def features(
         self, row: int, length: int | None = None, start: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(taps [n, n*H], hidden [n, H])` of positions `start .. start+n-1` of document `row` (copies)."""
+        """`(taps [n, n*H], hidden [n, H])` of positions `start .. start+n-1` of document `row` (copies;
+        the taps of the expected layers only, when the cache stores more)."""
         if not 0 <= int(row) < self.num_rows:
             raise IndexError(f"row {row} is outside the teacher cache's {self.num_rows} documents")
         s = bisect.bisect_right(self._starts, int(row)) - 1
@@ -634,4 +653,7 @@ class TeacherCache:
             )
         f = self._handle(s)
         lo, hi = a + start, a + start + n
-        return f.get_slice("taps")[lo:hi], f.get_slice("hidden")[lo:hi]
+        taps = f.get_slice("taps")[lo:hi]
+        if self._columns is not None:
+            taps = taps[:, self._columns]
+        return taps, f.get_slice("hidden")[lo:hi]
