@@ -33,7 +33,12 @@ from types import ModuleType
 from typing import Any
 
 from jetflow_pl.errors import MissingPathError, UserInputError
-from jetflow_pl.runtime.contract import HEAD_GRAPH, TARGET_GRAPH
+from jetflow_pl.runtime.contract import (  # the plugin location is the runtime's, shared with the build
+    HEAD_GRAPH,
+    PLUGIN_LIB_ENV,
+    TARGET_GRAPH,
+    default_plugin_lib,
+)
 from jetflow_pl.runtime.engine_config import load_engine_config, write_engine_config
 
 log = logging.getLogger(__name__)
@@ -42,15 +47,10 @@ HEAD_ENGINE = "draft_head.engine"
 TARGET_ENGINE = "target_verify.engine"
 TIMING_CACHE = "timing.cache"
 PRECISIONS = ("fp32", "fp16", "bf16")
-#: where `trt_plugins/README.md`'s CMake commands put the plugin library (relative to the repository root)
-DEFAULT_PLUGIN_LIB = Path("build") / "trt_plugins" / "libjetflow_trt_plugins.so"
-#: environment variable that overrides the default plugin library location
-PLUGIN_LIB_ENV = "JETFLOW_TRT_PLUGIN_LIB"
 NO_TENSORRT = (
     "--engine needs TensorRT (pip install 'jetflow-pl[tensorrt]' on a machine with an NVIDIA GPU); "
     "ONNX graphs can still be exported without --engine"
 )
-_REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 class EngineBuildError(RuntimeError):
@@ -60,12 +60,6 @@ class EngineBuildError(RuntimeError):
 # ---------------------------------------------------------------------------------------------------
 # checks that need no TensorRT
 # ---------------------------------------------------------------------------------------------------
-
-
-def default_plugin_lib() -> Path:
-    """The plugin library used when none is given: `$JETFLOW_TRT_PLUGIN_LIB`, else the README's build path."""
-    env = os.environ.get(PLUGIN_LIB_ENV)
-    return Path(env) if env else _REPO_ROOT / DEFAULT_PLUGIN_LIB
 
 
 def resolve_plugin_lib(plugin_lib: str | Path | None, variant: str) -> Path | None:

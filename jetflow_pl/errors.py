@@ -30,3 +30,13 @@ class NumericalError(RuntimeError):
     Not a user-input error, but not a bug in the code either: the model and dtype produce it, and the
     message says which stage and what to change. CLI exit status 1, one line.
     """
+
+
+def check_finite(x, what: str, where: str, advice: str) -> None:
+    """Raise `NumericalError` when tensor `x` holds NaN or +inf (-inf log-probs are legitimate).
+
+    One reduction on the device. `what` names the model ("the draft head"), `where` the step, `advice`
+    what to change; the decode loop and the cost profile both refuse non-finite numbers through this.
+    """
+    if bool(x.isnan().any() | x.isposinf().any()):
+        raise NumericalError(f"{what} produced NaN/inf {where}: {advice}")

@@ -254,4 +254,4 @@ def test_reused_backend_gives_the_same_result_as_a_fresh_one(tiny):
     assert got.accept_lengths == want.accept_lengths
     # head context rows: the prompt plus every committed row except the last round's (still queued);
     # a stale queue from the first prompt would add rows here
-    assert reused._head_cache.length == len(second) + sum(got.accept_lengths[:-1])
+    assert reused.head_kv.length() == len(second) + sum(got.accept_lengths[:-1])

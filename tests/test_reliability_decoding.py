@@ -13,9 +13,9 @@ from conftest import TINY_VOCAB
 from transformers import AutoModelForCausalLM
 
 from jetflow_pl.decoding import ARGenerator, SamplingConfig, SpeculativeGenerator
-from jetflow_pl.decoding.generator import DEFAULT_MAX_BUDGET
 from jetflow_pl.errors import NumericalError, UserInputError
 from jetflow_pl.head import DraftHead, DraftHeadConfig
+from jetflow_pl.runtime.backend import DEFAULT_MAX_BUDGET
 from jetflow_pl.runtime.torch_backend import TorchBackend
 from jetflow_pl.target import TargetModel
 

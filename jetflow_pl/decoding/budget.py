@@ -45,7 +45,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from jetflow_pl.decoding.cost_profile import LADDER_NODES, CostProfile, cost_profile_for
 from jetflow_pl.errors import UserInputError
-from jetflow_pl.runtime.backend import DecodeBackend
+from jetflow_pl.runtime.backend import DecodeBackend, max_budget
 from jetflow_pl.tree import DraftTree
 
 #: the budgets `auto` chooses among (capped by the backend and the cost profile): 0, 1, 2, 4, ..., 256
@@ -318,8 +318,6 @@ class AutoBudget:
 
     def start(self, backend: DecodeBackend) -> None:
         """Resolve the cost profile for `backend` (first time only), fix the candidates, reset estimates."""
-        from jetflow_pl.decoding.generator import max_budget
-
         # a profile given by the caller is used as given; one resolved here belongs to that backend
         if self.cost is None or (self._resolved_for is not None and self._resolved_for != id(backend)):
             self.cost = cost_profile_for(backend, self.cost_profile_path, self.cache_dir)

@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from jetflow_pl.errors import UserInputError
-from jetflow_pl.runtime.backend import DecodeBackend
+from jetflow_pl.errors import UserInputError, check_finite
+from jetflow_pl.runtime.backend import DecodeBackend, max_budget, vocab_size
 from jetflow_pl.tree import SCORE_QUANTUM, DraftTree, accept_greedy, build_tree
 
 log = logging.getLogger(__name__)
@@ -294,8 +294,6 @@ def ladder_for(
     The KV length is at most half the context; each timed round commits one position, so the ladder
     also leaves room for a pass's growth (at most `MAX_INNER_ROUNDS` pairs of rounds per size).
     """
-    from jetflow_pl.decoding.generator import max_budget
-
     max_pos = int(backend.max_positions)
     kv_len = max(1, min(int(kv_len), max_pos // 2))
     room = max_pos - kv_len - 2 * len(nodes) * MAX_INNER_ROUNDS - 1
@@ -331,14 +329,12 @@ def measure_cost_profile(
     decoding verifies. Every round commits only the root, so the KV length stays within a pass's
     rounds of `kv_len`. Leaves the backend needing a fresh `prefill`.
     """
-    from jetflow_pl.decoding.generator import _check_finite, _vocab_size
-
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     t_start = time.perf_counter()
     ladder, kv_len = ladder_for(backend, kv_len, nodes)
     device = _backend_device(backend)
-    vocab = _vocab_size(backend) or 2
+    vocab = vocab_size(backend) or 2
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab, (kv_len,), generator=g)
     anchor = int(prompt[-1])
@@ -350,7 +346,7 @@ def measure_cost_profile(
             _sync(device)
             t0 = time.perf_counter()
             lp = backend.draft(anchor)
-            _check_finite(lp, "the draft head", "while measuring costs", "")  # as the decode loop does
+            check_finite(lp, "the draft head", "while measuring costs", "")  # as the decode loop does
             float(lp[0, 0])  # waits for the device, as the tree builder's host copy does
             t1 = time.perf_counter()
             tree = build_tree(lp, anchor, n - 1, width, None, SCORE_QUANTUM)
@@ -360,7 +356,7 @@ def measure_cost_profile(
         _sync(device)
         t3 = time.perf_counter()
         logits = backend.verify(tree)
-        _check_finite(logits, "the target", "while measuring costs", "")
+        check_finite(logits, "the target", "while measuring costs", "")
         accept_greedy(tree, logits.argmax(dim=-1))
         backend.commit([0])
         _sync(device)

@@ -24,8 +24,8 @@ from jetflow_pl.decoding.budget import (
     resolve_budget,
 )
 from jetflow_pl.decoding.sampling import SamplingConfig, choose_token, processed_probs
-from jetflow_pl.errors import NumericalError, UserInputError
-from jetflow_pl.runtime.backend import DecodeBackend
+from jetflow_pl.errors import UserInputError, check_finite
+from jetflow_pl.runtime.backend import DecodeBackend, max_budget, vocab_size
 from jetflow_pl.tree import (
     SCORE_QUANTUM,
     DraftTree,
@@ -36,38 +36,12 @@ from jetflow_pl.tree import (
     rescore_and_select,
 )
 
-#: Largest draft budget (tree nodes - 1) on a backend that states no limit of its own. The verify step
-#: builds an `[N, past + N]` mask and runs N target rows at once; past ~1k nodes the speed-up is long
-#: gone and the memory is not, so a larger budget is a typo rather than a setting.
-DEFAULT_MAX_BUDGET = 1024
 _TARGET_ADVICE = "a float16 overflow in the target is the usual cause; load it in bfloat16 or float32"
-
-
-def max_budget(backend: DecodeBackend) -> int:
-    """The largest budget `backend` can verify: `max_tree_nodes - 1` when it says (an engine's profile
-    limit), else `DEFAULT_MAX_BUDGET`."""
-    nodes = getattr(backend, "max_tree_nodes", None)
-    return int(nodes) - 1 if nodes is not None else DEFAULT_MAX_BUDGET
-
-
-def _vocab_size(backend: DecodeBackend) -> int | None:
-    """The target vocabulary size where the backend exposes it (`vocab_size`, or its `target`'s)."""
-    for obj in (backend, getattr(backend, "target", None)):
-        size = getattr(obj, "vocab_size", None)
-        if isinstance(size, int):
-            return size
-    return None
-
-
-def _check_finite(x: torch.Tensor, what: str, where: str, advice: str) -> None:
-    """Raise NumericalError when `x` holds NaN/+inf (one reduction; -inf log-probs are legitimate)."""
-    if bool(torch.isnan(x).any() | torch.isposinf(x).any()):
-        raise NumericalError(f"{what} produced NaN/inf {where}: {advice}")
 
 
 @dataclass
 class GenerationResult:
-    """Tokens and the metrics of DESIGN.md section 4 for one sequence.
+    """Tokens and the metrics of docs/DESIGN.md section 4 for one sequence.
 
     accept_lengths: tokens committed per target verify forward (accepted drafts + 1), one per round.
     decode_seconds excludes the prefill; the first new token comes from the prefill logits.
@@ -163,7 +137,7 @@ class SpeculativeGenerator:
         depth_logprobs = self.backend.draft(anchor)[:max_depth]
         # NaN here means the head overflowed (fp16 is the usual cause); build_tree would refuse it too,
         # but only this loop knows it was the head and where, so the message can say what to change
-        _check_finite(
+        check_finite(
             depth_logprobs,
             "the draft head",
             f"log-probs at position {self.backend.past_len}",
@@ -203,7 +177,7 @@ class SpeculativeGenerator:
         prompt = prompt.reshape(-1)
         if prompt.numel() == 0:
             raise UserInputError("prompt is empty: at least one token is needed to start decoding")
-        vocab = _vocab_size(self.backend)
+        vocab = vocab_size(self.backend)
         lo, hi = int(prompt.min()), int(prompt.max())
         if lo < 0 or (vocab is not None and hi >= vocab):
             # caught here because an out-of-range id in the embedding lookup is a device-side assert on
@@ -225,7 +199,7 @@ class SpeculativeGenerator:
 
         t0 = time.perf_counter()
         logits = self.backend.prefill(prompt)
-        _check_finite(logits, "the target", "logits at the end of the prompt", _TARGET_ADVICE)
+        check_finite(logits, "the target", "logits at the end of the prompt", _TARGET_ADVICE)
         token = choose_token(logits, sampling, gen)
         t1 = time.perf_counter()
         result = GenerationResult(tokens=[token], prefill_seconds=t1 - t0)
@@ -236,7 +210,7 @@ class SpeculativeGenerator:
             tree = self._next_tree(token, budget)
             logits = self.backend.verify(tree)
             # argmax over NaN picks garbage silently: a lossless decoder must refuse instead
-            _check_finite(logits, "the target", f"logits at position {self.backend.past_len}", _TARGET_ADVICE)
+            check_finite(logits, "the target", f"logits at position {self.backend.past_len}", _TARGET_ADVICE)
             if sampling.greedy:
                 accepted, token = accept_greedy(tree, logits.argmax(dim=-1))
             else:

@@ -1,27 +1,33 @@
-"""The graph contract: file names, input/output names and dynamic axes of the exported graphs.
+"""The engine-directory contract: file names, graph input/output names and dynamic axes, the TreeAttention
+node, and where the TensorRT plugin library is looked for.
 
-Every consumer (the exporter, the ONNX Runtime backend, the TensorRT engine builder and backend, the
-tests) reads names from here, so a rename is one edit. Shapes use these symbols:
+Every consumer (the exporter in `export/`, the ONNX Runtime and TensorRT backends, the engine builder, the
+tests) reads names from here, so a rename is one edit; the runtime owns it because an engine directory is
+what the runtime loads (the exporter writes to it). Shapes use these symbols:
 
     T  new context rows handed to the head          Q  draft-block (or refinement) rows
     P  rows already in a KV cache (may be 0)         N  tree nodes in a verify step
     Wq = ceil(Q / 32), W = ceil(N / 32)              packed-mask words
     L / Lh  target / head layers    Hkv / d  KV heads / head size    F = n_taps * target hidden size
     K  top-k kept per draft row     V  vocabulary
-The batch axis is static 1 (one sequence per decode loop).
+The batch axis is static 1 (one sequence per graph call).
 
-`config.json` of an engine directory (written by the exporter, read by every runtime backend):
+`config.json` of an engine directory (written by the exporter, read by every runtime backend through
+`engine_config.load_engine_config`):
 
-    format: "jetflow-engine", format_version: 1, variant: "plugin" | "portable", opset: int,
+    format: "jetflow-engine", format_version: 1, variant: "plugin" | "portable" | "attention", opset: int,
     graphs: {"head": {"file", "inputs": [names], "outputs": [names]}, "target": {...}},
-    block_size, mask_token_id, topk, vocab_size, max_positions, eos_token_id, target_layer_ids,
-    target: {num_layers, num_heads, num_kv_heads, head_dim, hidden_size},
+    block_size, mask_token_id, causal_head, topk, vocab_size, max_positions, eos_token_id, target_layer_ids,
+    target: {model_type, num_layers, num_heads, num_kv_heads, head_dim, hidden_size},
     head:   {num_layers, num_heads, num_kv_heads, head_dim, hidden_size, tap_features},
     tokenizer: "tokenizer" (a folder), engines: {"head": file, "target": file} once TensorRT engines exist,
-    plus "tensorrt": {profile limits, precision} written by `jetflow-export --engine`.
+    plus "tensorrt": {profile limits, precision, plugin_library, version} written by `jetflow-export --engine`.
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 HEAD_GRAPH = "draft_head.onnx"
 TARGET_GRAPH = "target_verify.onnx"
@@ -78,3 +84,18 @@ DYNAMIC_AXES = {
     "target": {"input_ids": {1: "N"}, "position_ids": {1: "N"}, "tree_mask": {0: "N", 1: "W"},
                "past_keys": {3: "P"}, "past_values": {3: "P"}},
 }  # fmt: skip
+
+#: where `trt_plugins/README.md`'s CMake commands put the plugin library (relative to the repository root)
+DEFAULT_PLUGIN_LIB = Path("build") / "trt_plugins" / "libjetflow_trt_plugins.so"
+#: environment variable that overrides the default plugin library location
+PLUGIN_LIB_ENV = "JETFLOW_TRT_PLUGIN_LIB"
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def default_plugin_lib() -> Path:
+    """The plugin library used when none is given: `$JETFLOW_TRT_PLUGIN_LIB`, else the README's build path.
+
+    The engine builder loads it before parsing a `plugin` graph and the TensorRT backend before
+    deserializing a `plugin` engine (an engine names its plugin, it does not contain its code)."""
+    env = os.environ.get(PLUGIN_LIB_ENV)
+    return Path(env) if env else _REPO_ROOT / DEFAULT_PLUGIN_LIB

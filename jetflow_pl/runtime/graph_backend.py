@@ -1,13 +1,12 @@
-"""`GraphBackend`: decode-loop bookkeeping for backends that run the two decode graphs.
+"""`GraphBackend`: the decode protocol over the two decode graphs (`graphs.py`, contract in `contract.py`).
 
-The graphs (`jetflow_pl/runtime/graphs.py`, contract in `jetflow_pl/runtime/contract.py`) take explicit KV caches
-and return `past ++ new` rows. This class owns what every such runtime does the same way: the target KV
-cache and the head's context KV cache as tensors, appending (the graphs' `present_*`) and compacting
-(root + accepted rows) after each round, the taps of committed rows queued until the next `draft`, the
-chain-mask prefill (`P = 0`), and turning the head's per-row top-k into the per-depth log-probs the tree
-builder reads. Subclasses only run a graph: `OnnxRuntimeBackend` (ONNX Runtime sessions) and
-`TorchGraphBackend` (the same graphs eagerly in torch; on CUDA the attention op is the Triton kernel).
-Same protocol and semantics as `TorchBackend` (see its docstring).
+The graphs take explicit KV caches and return `past ++ new` rows (`present_*`), the prefill is the verify
+graph over a chain mask, and the head graph keeps the top-k tokens of each row. This class turns that
+contract into `SequenceBackend`'s two forwards: the feeds by name, the packed masks (`jetflow_pl.masks`),
+the top-k scattered into the per-depth log-probs the tree builder reads. Its KV store defaults to
+`TensorKVStore` (the graphs' outputs are the new caches). Subclasses only run a graph: `run_target` /
+`run_head` (`OnnxRuntimeBackend`: ONNX Runtime sessions; `TorchGraphBackend`: the same graphs eagerly in
+torch, on CUDA with the Triton kernel; `TensorRTBackend`: engines bound to preallocated buffers).
 """
 
 from __future__ import annotations
@@ -17,33 +16,35 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from jetflow_pl.tree import DraftTree, pack_mask
+from jetflow_pl.masks import block_mask, chain_mask
+from jetflow_pl.runtime.kv_store import KVStore, TensorKVStore
+from jetflow_pl.runtime.sequence import SequenceBackend, TapQueue, topk_to_dense
+from jetflow_pl.tree import DraftTree
 
 
-def chain_mask(n: int) -> Tensor:
-    """Packed causal mask of `n` rows (a prompt prefilled as a chain)."""
-    return pack_mask(torch.ones(n, n, dtype=torch.bool).tril())
+class GraphBackend(SequenceBackend):
+    """Speculative or autoregressive decoding over a head graph and a verify graph (batch 1).
 
+    `config` is the model part of an engine directory's `config.json` (`graphs.pair_config`).
+    """
 
-class GraphBackend:
-    """Speculative or autoregressive decoding over a head graph and a verify graph (batch 1)."""
-
-    def __init__(self, config: dict[str, Any], device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        device: torch.device | str = "cpu",
+        kv: KVStore | None = None,
+        head_kv: KVStore | None = None,
+        taps: TapQueue | None = None,
+    ) -> None:
         self.config = config
-        self.device = torch.device(device)
+        device = torch.device(device)
         t, h = config["target"], config["head"]
-        self._empty_target_kv = torch.zeros(
-            t["num_layers"], 1, t["num_kv_heads"], 0, t["head_dim"], device=self.device
-        )
-        self._empty_head_kv = torch.zeros(
-            h["num_layers"], 1, h["num_kv_heads"], 0, h["head_dim"], device=self.device
-        )
-        b = self.block_size
-        block = torch.ones(b, b, dtype=torch.bool)
-        self._block_mask = pack_mask(block.tril() if config["causal_head"] else block).to(self.device)
-        self._mask_token_id = int(config["mask_token_id"])
-        self._vocab = int(config["vocab_size"])
-        self._reset()
+        if kv is None:
+            kv = TensorKVStore(t["num_layers"], t["num_kv_heads"], t["head_dim"], device)
+        if head_kv is None:
+            head_kv = TensorKVStore(h["num_layers"], h["num_kv_heads"], h["head_dim"], device)
+        self._block_mask = block_mask(self.block_size, bool(config["causal_head"])).to(device)
+        super().__init__(kv, head_kv, taps, device)
 
     # ------------------------------------------------------------------ graph runners (subclasses)
     def run_target(self, feeds: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -54,118 +55,64 @@ class GraphBackend:
         """Head graph -> (topk_logprobs [1,Q,K], topk_ids [1,Q,K], present_keys, present_values)."""
         raise NotImplementedError
 
-    # ------------------------------------------------------------------ properties
+    def host_logits(self, logits: Tensor) -> Tensor:
+        """Logits as the decode loop receives them (float32 on the host; a GPU runtime may keep them)."""
+        return logits.float().cpu()
+
+    # ------------------------------------------------------------------ what the runtime states
     @property
     def block_size(self) -> int:
         return int(self.config["block_size"])
 
     @property
-    def past_len(self) -> int:
-        return self._past_len
+    def mask_token_id(self) -> int:
+        return int(self.config["mask_token_id"])
 
     @property
     def max_positions(self) -> int:
         return int(self.config["max_positions"])
 
     @property
+    def vocab_size(self) -> int:
+        return int(self.config["vocab_size"])
+
+    @property
     def topk(self) -> int:
+        """The head graph keeps `topk` tokens per depth: `check_width` refuses a wider tree."""
         return int(self.config["topk"])
 
-    def check_width(self, width: int) -> None:
-        """The head graph keeps `topk` tokens per depth: a wider tree cannot be built from it."""
-        if width > self.topk:
-            raise ValueError(
-                f"tree width {width} exceeds the engine's top-k ({self.topk}): re-export with --topk >= {width}"
-            )
-
-    # ------------------------------------------------------------------ protocol
-    def _reset(self) -> None:
-        self._kv = (self._empty_target_kv, self._empty_target_kv)
-        self._head_kv = (self._empty_head_kv, self._empty_head_kv)
-        self._pending_taps: Tensor | None = None
-        self._pending_pos: Tensor | None = None
-        self._tree_out: tuple[Tensor, Tensor, Tensor] | None = None
-        self._past_len = 0
-
-    def _verify_rows(self, ids: Tensor, positions: Tensor, mask: Tensor):
+    # ------------------------------------------------------------------ the two forwards
+    def _forward_target(self, ids: Tensor, positions: Tensor, tree: DraftTree | None, last_only: bool):
+        n = int(ids.numel())
+        mask = tree.packed_mask() if tree is not None else chain_mask(n)
+        past_keys, past_values = self.kv.past()
         logits, taps, keys, values = self.run_target(
             {
                 "input_ids": ids.reshape(1, -1).to(self.device, torch.long),
                 "position_ids": positions.reshape(1, -1).to(self.device, torch.long),
                 "tree_mask": mask.to(self.device, torch.int32),
-                "past_keys": self._kv[0],
-                "past_values": self._kv[1],
+                "past_keys": past_keys,
+                "past_values": past_values,
             }
         )
-        return logits[0], taps, keys, values
+        return self.host_logits(logits[0, -1:] if last_only else logits[0]), taps, (keys, values)
 
-    @torch.no_grad()
-    def prefill(self, prompt_ids: Tensor) -> Tensor:
-        ids = torch.as_tensor(prompt_ids).reshape(-1)
-        if ids.numel() == 0:
-            raise ValueError("prompt is empty: at least one token is needed to start decoding")
-        self._reset()
-        n = ids.numel()
-        logits, taps, keys, values = self._verify_rows(ids, torch.arange(n), chain_mask(n))
-        self._kv = (keys, values)
-        self._past_len = n
-        self._pending_taps, self._pending_pos = taps, torch.arange(n, device=self.device)[None]
-        return logits[-1].float().cpu()
-
-    @torch.no_grad()
-    def draft(self, anchor_token: int) -> Tensor:
-        if self._pending_taps is None:
-            raise RuntimeError("draft() needs new context rows: call prefill() or commit() first")
-        b = self.block_size
-        block = torch.full((1, b), self._mask_token_id, dtype=torch.long, device=self.device)
-        block[0, 0] = anchor_token
+    def _forward_head(self, block_ids: Tensor, block_positions: Tensor, context: tuple[Tensor, Tensor]):
+        taps, positions = context
+        past_keys, past_values = self.head_kv.past()
         values, ids, keys, vals = self.run_head(
             {
-                "context_taps": self._pending_taps,
-                "context_positions": self._pending_pos,
-                "block_ids": block,
-                "block_positions": (self._past_len + torch.arange(b, device=self.device))[None],
+                "context_taps": taps,
+                "context_positions": positions,
+                "block_ids": block_ids,
+                "block_positions": block_positions,
                 "block_mask": self._block_mask,
-                "past_keys": self._head_kv[0],
-                "past_values": self._head_kv[1],
+                "past_keys": past_keys,
+                "past_values": past_values,
             }
         )
-        self._head_kv = (keys, vals)
-        self._pending_taps = self._pending_pos = None
-        # the tree builder reads per-depth log-probs over the vocabulary: scatter the top-k into a -inf
-        # row (rows 1.. of the block are depths 1..B-1)
-        dense = torch.full((b - 1, self._vocab), float("-inf"))
-        dense.scatter_(1, ids[0, 1:].long().cpu(), values[0, 1:].float().cpu())
-        return dense
-
-    @torch.no_grad()
-    def verify(self, tree: DraftTree) -> Tensor:
-        logits, taps, keys, values = self._verify_rows(
-            tree.tokens, tree.position_ids(self._past_len), tree.packed_mask()
-        )
-        self._tree_out = (taps, keys, values)
-        return logits.float().cpu()
-
-    def commit(self, accepted: list[int]) -> None:
-        if self._tree_out is None:
-            raise RuntimeError("commit() without a preceding verify()")
-        taps, keys, values = self._tree_out
-        p = self._past_len
-        keep = torch.as_tensor(accepted, dtype=torch.long, device=self.device)
-        rows = p + keep
-        self._kv = (
-            torch.cat([keys[:, :, :, :p], keys[:, :, :, rows]], dim=3),
-            torch.cat([values[:, :, :, :p], values[:, :, :, rows]], dim=3),
-        )
-        new_taps = taps[:, keep]
-        new_pos = (p + torch.arange(len(accepted), device=self.device))[None]
-        if self._pending_taps is None:
-            self._pending_taps, self._pending_pos = new_taps, new_pos
-        else:
-            self._pending_taps = torch.cat([self._pending_taps, new_taps], dim=1)
-            self._pending_pos = torch.cat([self._pending_pos, new_pos], dim=1)
-        self._tree_out = None
-        self._past_len += len(accepted)
+        # rows 1.. of the block are depths 1..B-1 (offset 0 predicts nothing)
+        return topk_to_dense(values[0, 1:], ids[0, 1:], self.vocab_size), (keys, vals)
 
 
 class TorchGraphBackend(GraphBackend):

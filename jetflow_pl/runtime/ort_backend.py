@@ -1,8 +1,9 @@
 """The ONNX Runtime backend: the exported head and verify graphs of an engine directory, on CPU.
 
-All decode bookkeeping (KV append/compaction, queued taps, chain prefill, top-k -> per-depth log-probs)
-is `GraphBackend`'s; this class only feeds the two ONNX Runtime sessions (plugin graphs run their
-TreeAttention nodes through an onnxruntime-extensions Python op, see `ort_session.py`).
+All decode bookkeeping (KV staging/compaction, queued taps, chain prefill) is `SequenceBackend`'s and the
+graph contract (feeds, masks, top-k -> per-depth log-probs) `GraphBackend`'s; this class only runs the two
+ONNX Runtime sessions (plugin graphs run their TreeAttention nodes through an onnxruntime-extensions
+Python op, see `ort_session.py`).
 """
 
 from __future__ import annotations

@@ -1,25 +1,18 @@
 """The TensorRT backend: the engines of an engine directory (`jetflow-export --engine`) on one CUDA GPU.
 
-Same protocol and bookkeeping as `OnnxRuntimeBackend` (and `TorchBackend`): `prefill` / `draft` /
-`verify` / `commit`, the target KV cache and the head's context KV cache held by the runtime, tapped
-features of committed rows queued for the next `draft`. What differs is where the memory lives and who
-allocates it, following the TensorRT-LLM runtime pattern:
+Same protocol, bookkeeping and graph contract as `OnnxRuntimeBackend` (`SequenceBackend` /
+`GraphBackend`); what is TensorRT's own is here: deserializing the engines (and loading the TreeAttention
+plugin first for a `plugin` engine), binding tensors by name, and where the memory lives, following the
+TensorRT-LLM runtime pattern:
 
-* every engine input and output is a torch CUDA tensor allocated once, at its profile's maximum size
-  (`max_context + max_tree` cache rows); a step binds views of them (`set_tensor_address`), so decoding
-  allocates no device memory and TensorRT writes its outputs straight into the buffers;
-* the per-step tree inputs (token ids, position ids = `past_len + depth`, packed int32 mask) are copied
-  into fixed buffers; the engines run on the current torch CUDA stream, so torch work and TensorRT work
-  are ordered without extra synchronisation;
-* KV caches are two preallocated buffers per cache (ping-pong). The graph contract hands the cache in as
-  `past` `[L, 1, Hkv, P, d]` and returns `present` `[L, 1, Hkv, P + N, d]`; the present tensor goes to
-  the other buffer. `commit` compacts the accepted rows (root path) back into the first buffer with one
-  gather (`index_select(..., out=...)` into the preallocated memory). Because `P` is not the outermost
-  axis, a cache of a different length has a different memory layout, so this gather moves the whole
-  cache once per round (as the graph's own concat does); an in-place append would need a graph contract
-  with fixed-capacity caches written at offset `P` (TensorRT's KV-cache update layer or a plugin output
-  aliased to its input), which the exported graphs do not have yet.
-* The prompt is prefilled through the verify engine in chunks of at most `max_tree` rows with a chain
+* the large buffers are allocated once, at the optimization profile's maximum sizes: both KV caches as
+  `BufferKVStore`s (ping-pong, `max_context + max_tree` rows; `commit` swaps or gathers into the committed
+  buffer), the head's queued context as a `TapQueue` with a capacity, and every engine output (logits,
+  taps, top-k); a step binds views of them (`set_tensor_address`), so TensorRT writes its outputs straight
+  into them. The per-step inputs (tree ids, positions, packed mask, the block) are a few hundred bytes
+  from torch's caching allocator. The engines run on the current torch CUDA stream, so torch work and
+  TensorRT work are ordered without extra synchronisation; logits stay on the GPU;
+* the prompt is prefilled through the verify engine in chunks of at most `max_tree` rows with a chain
   mask (the same engine profile as the decode steps, so one execution context per engine).
 
 Limits come from the engines themselves (optimization profile 0): `max_tree_nodes` (the decode loop reads
@@ -35,9 +28,13 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from torch import Tensor
 
+from jetflow_pl.runtime.contract import default_plugin_lib
 from jetflow_pl.runtime.engine_config import load_engine_config
-from jetflow_pl.tree import DraftTree, pack_mask
+from jetflow_pl.runtime.graph_backend import GraphBackend
+from jetflow_pl.runtime.kv_store import BufferKVStore, flat_view
+from jetflow_pl.runtime.sequence import TapQueue
 
 NO_TENSORRT = (
     "TensorRTBackend needs TensorRT (pip install 'jetflow-pl[tensorrt]' on a machine with an NVIDIA GPU); "
@@ -134,8 +131,6 @@ class _Engine:
 
 def _load_plugin(trt: ModuleType, explicit: str | Path | None, recorded: str | None) -> None:
     """Register the TreeAttention plugin before deserializing: a plugin engine names it, does not hold it."""
-    from export.tensorrt_build import default_plugin_lib
-
     if explicit is not None:
         path = Path(explicit)
         if not path.is_file():
@@ -153,25 +148,11 @@ def _load_plugin(trt: ModuleType, explicit: str | Path | None, recorded: str | N
         raise RuntimeError(f"TensorRT could not load the plugin library {path}")
 
 
-def _view(buffer: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """A dense tensor of `shape` over the start of a flat preallocated `buffer` (no copy, no allocation).
-
-    Always the start: every bound address is then the start of a CUDA allocation (256-byte aligned),
-    which TensorRT's kernels expect; a view into the middle of a buffer would not be.
-    """
-    numel = 1
-    for s in shape:
-        numel *= s
-    if numel > buffer.numel():
-        raise RuntimeError(f"buffer of {buffer.numel()} elements is too small for {shape}")
-    return buffer[:numel].view(shape)
-
-
-class TensorRTBackend:
+class TensorRTBackend(GraphBackend):
     """Speculative (or autoregressive) decoding on the TensorRT engines of an engine directory.
 
     `plugin_lib`: the TreeAttention plugin library for a `plugin` engine directory (default: the path
-    recorded by the build, else `export.tensorrt_build.default_plugin_lib()`). `topk` bounds the tree
+    recorded by the build, else `jetflow_pl.runtime.contract.default_plugin_lib()`). `topk` bounds the tree
     width exactly as for `OnnxRuntimeBackend` (`check_width`).
     """
 
@@ -229,74 +210,45 @@ class TensorRTBackend:
         self, engine_dir: Path, config: dict[str, Any], target: Any, head: Any, device: torch.device
     ) -> None:
         self.engine_dir = engine_dir
-        self.config = config
-        self.device = device
         self._target, self._head = target, head
-        self._mask_token_id = int(config["mask_token_id"])
-        self._vocab = int(config["vocab_size"])
-        with self._on_device():
-            self._allocate()
-        self._reset()
+        scope = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+        with scope:
+            kv, head_kv, taps = self._allocate(config, device)
+            super().__init__(config, device, kv=kv, head_kv=head_kv, taps=taps)
 
-    # ------------------------------------------------------------------ setup
-    def _allocate(self) -> None:
-        """Every buffer of both engines, once, at the profile maxima (see the module docstring)."""
+    def _allocate(
+        self, config: dict[str, Any], device: torch.device
+    ) -> tuple[BufferKVStore, BufferKVStore, TapQueue]:
+        """Every large buffer of both engines, once, at the profile maxima (see the module docstring)."""
         tgt, head = self._target, self._head
-        dev = self.device
         self._max_tree = int(tgt.max_shape("input_ids")[1])
         self._max_context = int(tgt.max_shape("past_keys")[3])
-        self._max_words = int(tgt.max_shape("tree_mask")[1])
-        t, h = self.config["target"], self.config["head"]
+        t, h = config["target"], config["head"]
         rows = self._max_context + self._max_tree
-        self._kv_shape = (t["num_layers"], 1, t["num_kv_heads"])
-        self._kv_d = int(t["head_dim"])
-        kv_numel = t["num_layers"] * t["num_kv_heads"] * rows * self._kv_d
-        kv_dtype = tgt.dtype("past_keys")
-        # [cache][keys/values]: cache 0 holds the committed rows, cache 1 receives `present`
-        self._kv = [[torch.empty(kv_numel, dtype=kv_dtype, device=dev) for _ in range(2)] for _ in range(2)]
-        self._ids = torch.zeros(self._max_tree, dtype=tgt.dtype("input_ids"), device=dev)
-        self._pos = torch.zeros(self._max_tree, dtype=tgt.dtype("position_ids"), device=dev)
-        self._mask = torch.zeros(self._max_tree * self._max_words, dtype=torch.int32, device=dev)
-        vocab = int(self.config["vocab_size"])
-        self._logits = torch.empty(self._max_tree * vocab, dtype=tgt.dtype("logits"), device=dev)
-        self._argmax = torch.empty(self._max_tree, dtype=tgt.dtype("argmax_ids"), device=dev)
-        features = int(h["tap_features"])
+        kv = BufferKVStore(
+            t["num_layers"], t["num_kv_heads"], t["head_dim"], rows, tgt.dtype("past_keys"), device
+        )
+        vocab, features = int(config["vocab_size"]), int(h["tap_features"])
         self._features = features
-        self._taps = torch.empty(self._max_tree * features, dtype=tgt.dtype("taps"), device=dev)
-        self._rows = torch.arange(rows, dtype=torch.int64, device=dev)
+        self._logits = torch.empty(self._max_tree * vocab, dtype=tgt.dtype("logits"), device=device)
+        self._argmax = torch.empty(self._max_tree, dtype=tgt.dtype("argmax_ids"), device=device)
+        self._taps = torch.empty(self._max_tree * features, dtype=tgt.dtype("taps"), device=device)
 
-        # head: pending context (taps of committed rows not yet seen by the head), block, cache
-        b = self.block_size
+        b = int(config["block_size"])
         max_block = int(head.max_shape("block_ids")[1])
         if b > max_block:
             raise ValueError(f"block size {b} exceeds the head engine's profile ({max_block} rows)")
         self._head_max_context = int(head.max_shape("context_taps")[1])
-        self._pending = torch.empty(rows * features, dtype=head.dtype("context_taps"), device=dev)
-        self._pending_pos = torch.empty(rows, dtype=torch.int64, device=dev)
-        self._head_kv_shape = (h["num_layers"], 1, h["num_kv_heads"])
-        self._head_d = int(h["head_dim"])
-        head_numel = h["num_layers"] * h["num_kv_heads"] * rows * self._head_d
-        head_dtype = head.dtype("past_keys")
-        self._head_kv = [
-            [torch.empty(head_numel, dtype=head_dtype, device=dev) for _ in range(2)] for _ in range(2)
-        ]
-        self._block_ids = torch.empty((1, b), dtype=torch.int64, device=dev)
-        self._block_pos = torch.empty((1, b), dtype=torch.int64, device=dev)
-        block = torch.ones(b, b, dtype=torch.bool)
-        self._block_mask = pack_mask(block.tril() if self.config["causal_head"] else block).to(dev)
-        k = self.topk
-        self._topk_values = torch.empty((1, b, k), dtype=head.dtype("topk_logprobs"), device=dev)
-        self._topk_ids = torch.empty((1, b, k), dtype=head.dtype("topk_ids"), device=dev)
+        head_kv = BufferKVStore(
+            h["num_layers"], h["num_kv_heads"], h["head_dim"], rows, head.dtype("past_keys"), device
+        )
+        pending = TapQueue(self._head_max_context, features, head.dtype("context_taps"), device)
+        k = int(config["topk"])
+        self._topk_values = torch.empty((1, b, k), dtype=head.dtype("topk_logprobs"), device=device)
+        self._topk_ids = torch.empty((1, b, k), dtype=head.dtype("topk_ids"), device=device)
+        return kv, head_kv, pending
 
-    # ------------------------------------------------------------------ properties
-    @property
-    def block_size(self) -> int:
-        return int(self.config["block_size"])
-
-    @property
-    def past_len(self) -> int:
-        return self._past_len
-
+    # ------------------------------------------------------------------ what the runtime states
     @property
     def max_positions(self) -> int:
         """The target's context limit, capped by what the engines' profiles (and buffers) hold."""
@@ -308,176 +260,58 @@ class TensorRTBackend:
         return self._max_tree
 
     @property
-    def topk(self) -> int:
-        return int(self.config["topk"])
+    def max_prefill_rows(self) -> int:
+        """The prompt goes through the verify profile too: chunks of at most `max_tree` rows."""
+        return self._max_tree
 
-    def check_width(self, width: int) -> None:
-        if width > self.topk:
-            raise ValueError(
-                f"tree width {width} exceeds the engine's top-k ({self.topk}): re-export with --topk >= {width}"
-            )
+    def host_logits(self, logits: Tensor) -> Tensor:
+        # a copy (the buffer is rewritten by the next step), left on the GPU for the acceptance walk
+        return logits.to(torch.float32, copy=True)
 
-    # ------------------------------------------------------------------ state
-    def _reset(self) -> None:
-        self._past_len = 0  # rows in target cache 0
-        self._head_len = 0  # rows in head cache 0
-        self._num_pending = 0  # rows queued in `_pending` for the next draft
-        self._tree_nodes: int | None = None  # N of the last verify (its present sits in cache 1)
+    def _device_scope(self) -> Any:
+        """Make `self.device` current for TensorRT and torch (no-op for the CPU stand-in engines)."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
 
     def _stream(self) -> Any:
         return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
-    def _on_device(self) -> Any:
-        """Make `self.device` current for TensorRT and torch (no-op for the CPU stand-in engines)."""
-        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+    @staticmethod
+    def _inputs(engine: Any, feeds: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Feeds as the engine binds them: its dtypes, dense, and each at the start of its own memory
+        (a view into the middle of a tensor, e.g. a prompt chunk, need not be aligned as TensorRT's
+        kernels expect: it is copied)."""
+        out = {}
+        for name, t in feeds.items():
+            want = engine.dtype(name)
+            t = t if t.dtype == want else t.to(want)
+            out[name] = t if t.is_contiguous() and t.storage_offset() == 0 else t.clone()
+        return out
 
-    def _target_kv(self, cache: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (*self._kv_shape, rows, self._kv_d)
-        return _view(self._kv[cache][0], shape), _view(self._kv[cache][1], shape)
-
-    def _head_cache(self, cache: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (*self._head_kv_shape, rows, self._head_d)
-        return _view(self._head_kv[cache][0], shape), _view(self._head_kv[cache][1], shape)
-
-    def _run_target(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> int:
-        """One verify-engine step over `n` new rows after cache 0; `present` lands in cache 1."""
-        n = int(ids.numel())
+    # ------------------------------------------------------------------ graph runners
+    def run_target(self, feeds: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        n = int(feeds["input_ids"].shape[1])
         check_tree_size(n, self._max_tree)
-        words = int(mask.shape[1])
-        ids_v = _view(self._ids, (1, n))
-        pos_v = _view(self._pos, (1, n))
-        mask_v = _view(self._mask, (n, words))
-        ids_v.copy_(ids.reshape(1, n))
-        pos_v.copy_(positions.reshape(1, n))
-        mask_v.copy_(mask)
-        p = self._past_len
-        past_k, past_v = self._target_kv(0, p)
-        pres_k, pres_v = self._target_kv(1, p + n)
-        self._target.run(
-            {
-                "input_ids": ids_v,
-                "position_ids": pos_v,
-                "tree_mask": mask_v,
-                "past_keys": past_k,
-                "past_values": past_v,
-            },
-            {
-                "logits": _view(self._logits, (1, n, self._vocab)),
-                "argmax_ids": _view(self._argmax, (1, n)),
-                "taps": _view(self._taps, (1, n, self._features)),
-                "present_keys": pres_k,
-                "present_values": pres_v,
-            },
-            self._stream(),
-        )
-        return n
+        present_keys, present_values = self.kv.present(n)
+        outs = {
+            "logits": flat_view(self._logits, (1, n, self.vocab_size)),
+            "argmax_ids": flat_view(self._argmax, (1, n)),
+            "taps": flat_view(self._taps, (1, n, self._features)),
+            "present_keys": present_keys,
+            "present_values": present_values,
+        }
+        self._target.run(self._inputs(self._target, feeds), outs, self._stream())
+        return outs["logits"], outs["taps"], present_keys, present_values
 
-    def _queue(self, taps: torch.Tensor, first_position: int) -> None:
-        """Append tapped features `[1, k, F]` of committed rows at positions `first_position..` to the queue."""
-        k = int(taps.shape[1])
-        start = self._num_pending
-        if start + k > self._head_max_context:
-            raise ValueError(
-                f"{start + k} context rows wait for the head, its engine profile takes {self._head_max_context}"
-            )
-        dst = self._pending[start * self._features : (start + k) * self._features].view(1, k, self._features)
-        dst.copy_(taps)
-        self._pending_pos[start : start + k] = self._rows[first_position : first_position + k]
-        self._num_pending += k
-
-    # ------------------------------------------------------------------ protocol
-    @torch.no_grad()
-    def prefill(self, prompt_ids: torch.Tensor) -> torch.Tensor:
-        ids = torch.as_tensor(prompt_ids).reshape(-1).to(torch.int64)
-        if ids.numel() == 0:
-            raise ValueError("prompt is empty: at least one token is needed to start decoding")
-        if ids.numel() > self.max_positions:
-            raise ValueError(
-                f"prompt of {ids.numel()} tokens exceeds the engines' context limit of {self.max_positions}"
-            )
-        self._reset()
-        with self._on_device():
-            ids = ids.to(self.device)
-            total = int(ids.numel())
-            last = 0
-            for start in range(0, total, self._max_tree):
-                chunk = ids[start : start + self._max_tree]
-                n = int(chunk.numel())
-                chain = pack_mask(torch.ones(n, n, dtype=torch.bool).tril())
-                self._run_target(chunk, self._rows[start : start + n], chain)
-                # the chunk's present (all rows so far) becomes the committed cache: swap, no copy
-                self._kv.reverse()
-                self._past_len += n
-                self._queue(_view(self._taps, (1, n, self._features)), start)
-                last = n
-            return _view(self._logits, (1, last, self._vocab))[0, -1].float().clone()
-
-    @torch.no_grad()
-    def draft(self, anchor_token: int) -> torch.Tensor:
-        if self._num_pending == 0:
-            raise RuntimeError("draft() needs new context rows: call prefill() or commit() first")
-        b = self.block_size
-        t = self._num_pending
-        with self._on_device():
-            self._block_ids.fill_(self._mask_token_id)
-            self._block_ids[0, 0] = int(anchor_token)
-            torch.add(self._rows[:b], self._past_len, out=self._block_pos[0])
-            p = self._head_len
-            past_k, past_v = self._head_cache(0, p)
-            pres_k, pres_v = self._head_cache(1, p + t)
-            self._head.run(
-                {
-                    "context_taps": self._pending[: t * self._features].view(1, t, self._features),
-                    "context_positions": self._pending_pos[:t].view(1, t),
-                    "block_ids": self._block_ids,
-                    "block_positions": self._block_pos,
-                    "block_mask": self._block_mask,
-                    "past_keys": past_k,
-                    "past_values": past_v,
-                },
-                {
-                    "topk_logprobs": self._topk_values,
-                    "topk_ids": self._topk_ids,
-                    "present_keys": pres_k,
-                    "present_values": pres_v,
-                },
-                self._stream(),
-            )
-            self._head_kv.reverse()
-            self._head_len = p + t
-            self._num_pending = 0
-            values = self._topk_values[0, 1:].float().cpu()
-            ids = self._topk_ids[0, 1:].to(torch.int64).cpu()
-        # the tree builder reads per-depth log-probs over the vocabulary (as OnnxRuntimeBackend does)
-        dense = torch.full((b - 1, self._vocab), float("-inf"))
-        dense.scatter_(1, ids, values)
-        return dense
-
-    @torch.no_grad()
-    def verify(self, tree: DraftTree) -> torch.Tensor:
-        check_tree_size(tree.num_nodes, self._max_tree)
-        with self._on_device():
-            n = self._run_target(tree.tokens, tree.position_ids(self._past_len), tree.packed_mask())
-            self._tree_nodes = n
-            # a copy: the buffer is rewritten by the next step, the caller may keep the logits longer
-            return _view(self._logits, (1, n, self._vocab))[0].clone()
-
-    @torch.no_grad()
-    def commit(self, accepted: list[int]) -> None:
-        if self._tree_nodes is None:
-            raise RuntimeError("commit() without a preceding verify()")
-        p, n, a = self._past_len, self._tree_nodes, len(accepted)
-        with self._on_device():
-            acc = torch.as_tensor(accepted, dtype=torch.int64).to(self.device)
-            keep = torch.cat([self._rows[:p], acc + p])
-            present = self._target_kv(1, p + n)
-            compacted = self._target_kv(0, p + a)
-            for src, dst in zip(present, compacted, strict=True):
-                torch.index_select(src, 3, keep, out=dst)
-            taps = _view(self._taps, (1, n, self._features))
-            self._queue(taps.index_select(1, acc), p)
-        self._tree_nodes = None
-        self._past_len = p + a
+    def run_head(self, feeds: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        present_keys, present_values = self.head_kv.present(int(feeds["context_taps"].shape[1]))
+        outs = {
+            "topk_logprobs": self._topk_values,
+            "topk_ids": self._topk_ids,
+            "present_keys": present_keys,
+            "present_values": present_values,
+        }
+        self._head.run(self._inputs(self._head, feeds), outs, self._stream())
+        return self._topk_values, self._topk_ids, present_keys, present_values
 
 
 def tensorrt_available() -> str | None:

@@ -1,27 +1,36 @@
-"""The PyTorch backend: the target wrapper and the draft head, run eagerly on any torch device."""
+"""The PyTorch backend: the target wrapper and the draft head, run eagerly on any torch device.
+
+Bookkeeping (KV staging and compaction, queued taps, the order of the calls) is `SequenceBackend`'s; the
+KV stores are the ones these models append to themselves: the target's transformers cache
+(`HFCacheStore`) and the head's context cache (`HeadCacheStore`). What is torch-specific is the two
+forwards (an additive 4D tree mask for the HF target, the head's own in-block mask) and `refine`.
+"""
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
-from jetflow_pl.head import DraftHead, HeadCache
-from jetflow_pl.runtime.hf_cache import cache_length, compact_cache, new_cache
+from jetflow_pl.head import DraftHead
+from jetflow_pl.runtime.kv_store import HeadCacheStore, HFCacheStore
+from jetflow_pl.runtime.sequence import SequenceBackend
 from jetflow_pl.target import TargetModel
 from jetflow_pl.tree import DraftTree
 
 
-class TorchBackend:
+class TorchBackend(SequenceBackend):
     """Target + optional head on one device. Batch size 1; state lives between `prefill` calls.
 
     Head context bookkeeping: the head needs the target's tapped features of every committed position.
     After `prefill` those are the prompt's taps; after each `commit` the taps of the accepted nodes (the
-    root included, which was the previous anchor). They wait in `_pending` until the next `draft`, which
+    root included, which was the previous anchor). They wait in `taps` until the next `draft`, which
     projects them into the head's own K/V cache once, so each position is projected exactly once.
     """
 
     def __init__(self, target: TargetModel, head: DraftHead | None = None) -> None:
         self.target = target
         self.head = head
+        head_kv = None
         if head is not None:
             head.check_compatible(target.config)
             layer_ids = list(head.config.dflash_config["target_layer_ids"])
@@ -29,66 +38,60 @@ class TorchBackend:
                 target.set_taps(layer_ids)
             self._mask_token_id = int(head.config.dflash_config["mask_token_id"])
             head.eval()
-        self._cache = None
-        self._head_cache: HeadCache | None = None
-        self._pending_taps: torch.Tensor | None = None
-        self._pending_pos: torch.Tensor | None = None
-        self._tree_taps: torch.Tensor | None = None
-        self._past_len = 0
+            head_kv = HeadCacheStore(head)
+        super().__init__(HFCacheStore(target.config), head_kv, device=target.device)
 
-    # ------------------------------------------------------------------ properties
+    # ------------------------------------------------------------------ what the runtime states
     @property
     def block_size(self) -> int:
         return int(self.head.config.block_size) if self.head is not None else 1
 
     @property
-    def past_len(self) -> int:
-        return self._past_len
+    def mask_token_id(self) -> int:
+        return self._mask_token_id
 
     @property
     def max_positions(self) -> int:
         return int(self.target.config.max_position_embeddings)
 
     @property
+    def vocab_size(self) -> int:
+        return int(self.target.vocab_size)
+
+    @property
     def device(self) -> torch.device:
         return self.target.device
 
-    # ------------------------------------------------------------------ protocol
-    @torch.no_grad()
-    def prefill(self, prompt_ids: torch.Tensor) -> torch.Tensor:
-        ids = prompt_ids.to(self.device, torch.long).reshape(1, -1)
-        if ids.shape[1] == 0:
-            raise ValueError("prompt is empty: at least one token is needed to start decoding")
-        self._cache = new_cache(self.target.config)
-        # a previous sequence's last commit leaves taps queued for a draft that never came: drop them
-        self._pending_taps = self._pending_pos = self._tree_taps = None
-        out = self.target(ids, cache=self._cache, logits_positions="last")
-        self._past_len = ids.shape[1]
-        self._head_cache = self.head.new_cache() if self.head is not None else None
-        self._queue_context(out.taps, torch.arange(self._past_len, device=self.device))
-        return out.logits[0, -1]
+    # ------------------------------------------------------------------ the two forwards
+    def _forward_target(self, ids: Tensor, positions: Tensor, tree: DraftTree | None, last_only: bool):
+        cache = self.kv.cache()
+        ids = ids.to(self.device, torch.long).reshape(1, -1)
+        if tree is None:  # a chain after the cache: the model's own causal mask and positions
+            out = self.target(ids, cache=cache, logits_positions="last" if last_only else "all")
+        else:
+            out = self.target(
+                ids,
+                position_ids=positions.to(self.device).unsqueeze(0),
+                attention_mask=tree.additive_mask(self.past_len, self.target.dtype).to(self.device),
+                cache=cache,
+            )
+        return out.logits[0], out.taps, None
 
-    @torch.no_grad()
-    def draft(self, anchor_token: int) -> torch.Tensor:
-        if self.head is None:
-            raise RuntimeError("this backend has no draft head: only autoregressive decoding is possible")
-        b = self.block_size
-        block = torch.full((1, b), self._mask_token_id, dtype=torch.long, device=self.device)
-        block[0, 0] = anchor_token
-        positions = (self._past_len + torch.arange(b, device=self.device)).unsqueeze(0)
+    def _forward_head(self, block_ids: Tensor, block_positions: Tensor, context: tuple[Tensor, Tensor]):
+        taps, positions = context
         hidden = self.head(
-            self.target.embed_tokens(block),
-            positions,
-            context=self._pending_taps,
-            context_positions=None if self._pending_pos is None else self._pending_pos.unsqueeze(0),
-            cache=self._head_cache,
+            self.target.embed_tokens(block_ids),
+            block_positions,
+            context=taps,
+            context_positions=positions,
+            cache=self.head_kv.cache(),
         )
-        self._pending_taps = self._pending_pos = None
         logits = self.target.lm_logits(hidden[0, 1:])
-        return torch.log_softmax(logits.float(), dim=-1)
+        return torch.log_softmax(logits.float(), dim=-1), None
 
+    # ------------------------------------------------------------------ torch only
     @torch.no_grad()
-    def refine(self, tree: DraftTree) -> torch.Tensor:
+    def refine(self, tree: DraftTree) -> Tensor:
         """Path-conditioned children log-probs for every node, in one head forward of `2N` rows.
 
         Rows `0..N-1` carry the tree's tokens at `past_len + depth` and see their ancestors-or-self;
@@ -107,36 +110,8 @@ class TorchBackend:
         tokens = tree.tokens.to(self.device)
         ids = torch.cat([tokens, torch.full_like(tokens, self._mask_token_id)]).unsqueeze(0)
         depths = tree.depths.to(self.device)
-        positions = (self._past_len + torch.cat([depths, depths + 1])).unsqueeze(0)
-        hidden = self.head(self.target.embed_tokens(ids), positions, cache=self._head_cache, in_block=mask)
+        positions = (self.past_len + torch.cat([depths, depths + 1])).unsqueeze(0)
+        hidden = self.head(
+            self.target.embed_tokens(ids), positions, cache=self.head_kv.cache(), in_block=mask
+        )
         return torch.log_softmax(self.target.lm_logits(hidden[0, n:]).float(), dim=-1)
-
-    @torch.no_grad()
-    def verify(self, tree: DraftTree) -> torch.Tensor:
-        ids = tree.tokens.to(self.device).unsqueeze(0)
-        positions = tree.position_ids(self._past_len).to(self.device).unsqueeze(0)
-        mask = tree.additive_mask(self._past_len, self.target.dtype).to(self.device)
-        out = self.target(ids, position_ids=positions, attention_mask=mask, cache=self._cache)
-        self._tree_taps = out.taps
-        return out.logits[0]
-
-    @torch.no_grad()
-    def commit(self, accepted: list[int]) -> None:
-        keep = torch.tensor(accepted, dtype=torch.long, device=self.device)
-        compact_cache(self._cache, self._past_len, keep)
-        if self._tree_taps is not None:
-            positions = self._past_len + torch.arange(len(accepted), device=self.device)
-            self._queue_context(self._tree_taps[:, keep], positions)
-        self._tree_taps = None
-        self._past_len += len(accepted)
-        assert cache_length(self._cache) == self._past_len
-
-    # ------------------------------------------------------------------ helpers
-    def _queue_context(self, taps: torch.Tensor | None, positions: torch.Tensor) -> None:
-        if self.head is None or taps is None:
-            return
-        if self._pending_taps is None:
-            self._pending_taps, self._pending_pos = taps, positions
-        else:
-            self._pending_taps = torch.cat([self._pending_taps, taps], dim=1)
-            self._pending_pos = torch.cat([self._pending_pos, positions])

@@ -1,0 +1,275 @@
+"""The runtime's shared pieces: KV stores (one contract, four memory layouts), the tap queue, the
+bookkeeping checks every backend inherits, and `load_backend`.
+
+The stores are driven through the same sequence of forwards and commits with random K/V and must hold
+exactly the rows the contract says (committed prefix + kept rows, in order); copies and gathers of
+float tensors are exact, so equality is the right check there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from transformers import Qwen3Config
+
+from jetflow_pl.errors import MissingPathError, UserInputError
+from jetflow_pl.head.cache import HeadCache
+from jetflow_pl.runtime import BACKEND_KINDS, load_backend
+from jetflow_pl.runtime.hf_cache import cache_length
+from jetflow_pl.runtime.kv_store import BufferKVStore, HeadCacheStore, HFCacheStore, TensorKVStore
+from jetflow_pl.runtime.sequence import SequenceBackend, TapQueue, topk_to_dense
+from jetflow_pl.runtime.torch_backend import TorchBackend
+from jetflow_pl.target import TargetModel
+from jetflow_pl.tree import accept_greedy, build_tree
+
+L, H, D = 2, 2, 4  # layers, KV heads, head size of the store tests
+#: (rows appended by a forward, rows kept: None = all) -- a prefill, two verified trees, a 1-row verify
+SCHEDULE = [(5, None), (4, [0, 2]), (6, [0, 1, 4]), (1, [0])]
+
+
+def _new_rows(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(L, 1, H, n, D, generator=g), torch.randn(L, 1, H, n, D, generator=g)
+
+
+def _expected() -> tuple[torch.Tensor, torch.Tensor]:
+    keys, values = [], []
+    for i, (n, keep) in enumerate(SCHEDULE):
+        k, v = _new_rows(n, i)
+        idx = torch.arange(n) if keep is None else torch.tensor(keep)
+        keys.append(k[:, :, :, idx])
+        values.append(v[:, :, :, idx])
+    return torch.cat(keys, dim=3), torch.cat(values, dim=3)
+
+
+class _FakeHead:
+    """What `HeadCacheStore` needs of a head: a fresh `HeadCache`."""
+
+    def new_cache(self) -> HeadCache:
+        return HeadCache(L)
+
+
+def _run_schedule(store, slot: int = 0) -> None:
+    """Each forward appends its rows after the committed ones, the way that store's runtime does."""
+    for i, (n, keep) in enumerate(SCHEDULE):
+        k, v = _new_rows(n, i)
+        if isinstance(store, TensorKVStore):
+            pk, pv = store.past(slot)
+            store.stage(n, (torch.cat([pk, k], dim=3), torch.cat([pv, v], dim=3)), slot=slot)
+        elif isinstance(store, BufferKVStore):
+            pk, pv = store.past(slot)
+            present = store.present(n, slot)
+            present[0].copy_(torch.cat([pk, k], dim=3))
+            present[1].copy_(torch.cat([pv, v], dim=3))
+            store.stage(n, present, slot=slot)
+        elif isinstance(store, HFCacheStore):
+            cache = store.cache(slot)
+            for layer in range(L):
+                cache.update(k[layer], v[layer], layer)
+            store.stage(n, slot=slot)
+        else:
+            cache = store.cache(slot)
+            for layer in range(L):
+                cache.append(layer, k[layer], v[layer])
+            store.stage(n, slot=slot)
+        store.commit(None if keep is None else torch.tensor(keep), slot=slot)
+
+
+def _committed(store, slot: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(store, (TensorKVStore, BufferKVStore)):
+        return store.past(slot)
+    cache = store.cache(slot)
+    if isinstance(store, HFCacheStore):
+        layers = cache.layers
+        return torch.stack([x.keys for x in layers]), torch.stack([x.values for x in layers])
+    return torch.stack(cache.keys), torch.stack(cache.values)
+
+
+def _stores(num_slots: int = 1) -> dict:
+    config = Qwen3Config(
+        num_hidden_layers=L, num_key_value_heads=H, num_attention_heads=H, head_dim=D, hidden_size=H * D
+    )
+    return {
+        "tensor": TensorKVStore(L, H, D, num_slots=num_slots),
+        "buffer": BufferKVStore(L, H, D, capacity=32, dtype=torch.float32, device="cpu", num_slots=num_slots),
+        "hf_cache": HFCacheStore(config, num_slots=num_slots),
+        "head_cache": HeadCacheStore(_FakeHead(), num_slots=num_slots),
+    }
+
+
+@pytest.mark.parametrize("kind", ["tensor", "buffer", "hf_cache", "head_cache"])
+def test_every_store_keeps_the_committed_prefix_plus_the_kept_rows_in_order(kind):
+    store = _stores()[kind]
+    _run_schedule(store)
+    want_k, want_v = _expected()
+    assert store.length() == want_k.shape[3] == 5 + 2 + 3 + 1 and store.staged() == 0
+    got_k, got_v = _committed(store)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+@pytest.mark.parametrize("kind", ["tensor", "buffer", "hf_cache", "head_cache"])
+def test_slots_are_independent_and_reset_frees_one(kind):
+    store = _stores(num_slots=2)[kind]
+    _run_schedule(store, slot=1)
+    assert store.length(0) == 0 and store.length(1) == 11
+    _run_schedule(store, slot=0)
+    store.reset(1)
+    assert store.length(1) == 0 and store.length(0) == 11
+    got_k, _ = _committed(store, 0)
+    assert torch.equal(got_k, _expected()[0])
+    with pytest.raises(IndexError, match="slot 2"):
+        store.length(2)
+
+
+def test_an_uncommitted_forward_is_discarded_by_the_next_one():
+    """Two verifies without a commit between them: the second starts from the committed rows."""
+    config = Qwen3Config(
+        num_hidden_layers=L, num_key_value_heads=H, num_attention_heads=H, head_dim=D, hidden_size=H * D
+    )
+    store = HFCacheStore(config)
+    k, v = _new_rows(3, 0)
+    for layer in range(L):
+        store.cache().update(k[layer], v[layer], layer)
+    store.stage(3)
+    store.commit()
+    for _ in range(2):  # verify, verify (no commit in between)
+        cache = store.cache()
+        assert cache_length(cache) == 3
+        k2, v2 = _new_rows(4, 1)
+        for layer in range(L):
+            cache.update(k2[layer], v2[layer], layer)
+        store.stage(4)
+    store.commit(torch.tensor([1]))
+    assert store.length() == 4 == cache_length(store.cache())
+
+
+def test_store_checks():
+    tensor = TensorKVStore(L, H, D)
+    with pytest.raises(RuntimeError, match="without a staged forward"):
+        tensor.commit()
+    k, v = _new_rows(3, 0)
+    with pytest.raises(RuntimeError, match="expected past \\+ new = 4"):
+        tensor.stage(4, (k, v))
+    tensor.stage(3, (k, v))
+    with pytest.raises(IndexError, match="staged 3"):
+        tensor.commit(torch.tensor([0, 3]))
+    buffer = BufferKVStore(L, H, D, capacity=4, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="capacity of 4"):
+        buffer.present(5)
+    with pytest.raises(RuntimeError, match="receiving buffer"):
+        buffer.stage(3, (k, v))
+
+
+def test_tap_queue_with_and_without_capacity_agree():
+    g = torch.Generator().manual_seed(0)
+    chunks = [(torch.randn(1, n, 6, generator=g), first) for n, first in ((4, 0), (2, 4), (1, 6))]
+    listed, buffered = TapQueue(), TapQueue(capacity=8, features=6)
+    for taps, first in chunks:
+        listed.push(taps, first)
+        buffered.push(taps, first)
+    (a_taps, a_pos), (b_taps, b_pos) = listed.peek(), buffered.peek()
+    assert len(listed) == len(buffered) == 7
+    assert torch.equal(a_taps, b_taps) and torch.equal(a_taps, torch.cat([c[0] for c in chunks], dim=1))
+    assert a_pos.tolist() == b_pos.tolist() == [list(range(7))]
+    buffered.clear()
+    assert buffered.peek() is None
+    with pytest.raises(ValueError, match="at most 8"):
+        buffered.push(torch.zeros(1, 9, 6), 0)
+
+
+def test_topk_to_dense_keeps_exactly_the_top_k():
+    values = torch.tensor([[-0.1, -2.0], [-0.5, -0.7]])
+    ids = torch.tensor([[3, 1], [0, 4]])
+    dense = topk_to_dense(values, ids, 5)
+    assert dense.shape == (2, 5)
+    assert dense[0, 3] == -0.1 and dense[0, 1] == -2.0 and dense[1, 4] == -0.7
+    assert int(torch.isfinite(dense).sum()) == 4
+
+
+# ---------------------------------------------------------------------------------------------------
+# the bookkeeping every backend inherits (driven through the torch backend on a tiny random target)
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_target_dir):
+    from jetflow_pl.head import DraftHead, DraftHeadConfig
+
+    target = TargetModel.from_pretrained(tiny_target_dir)
+    torch.manual_seed(0)
+    cfg = DraftHeadConfig.for_target(target.config, num_hidden_layers=1, block_size=8, mask_token_id=95)
+    return target, DraftHead(cfg).eval()
+
+
+def test_every_backend_is_one_bookkeeping():
+    from jetflow_pl.runtime.graph_backend import GraphBackend, TorchGraphBackend
+    from jetflow_pl.runtime.ort_backend import OnnxRuntimeBackend
+    from jetflow_pl.runtime.tensorrt_backend import TensorRTBackend
+
+    for cls in (TorchBackend, GraphBackend, TorchGraphBackend, OnnxRuntimeBackend, TensorRTBackend):
+        assert issubclass(cls, SequenceBackend), cls
+        # the protocol steps are the shared ones: no backend re-implements them
+        for step in ("prefill", "draft", "verify", "commit"):
+            assert getattr(cls, step) is getattr(SequenceBackend, step), (cls, step)
+
+
+def test_protocol_misuse_is_refused_the_same_way(tiny_pair):
+    target, head = tiny_pair
+    backend = TorchBackend(target, head)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        backend.prefill(torch.tensor([], dtype=torch.long))
+    backend.prefill(torch.tensor([5, 6, 7, 8]))
+    with pytest.raises(RuntimeError, match="without a preceding verify"):
+        backend.commit([0])
+    lp = backend.draft(9)
+    with pytest.raises(RuntimeError, match="needs new context rows"):
+        backend.draft(9)  # the queued taps were read by the first draft
+    tree = build_tree(lp, 9, 6, 2)
+    first = backend.verify(tree)
+    again = backend.verify(tree)  # the first verify's rows are dropped, not stacked
+    torch.testing.assert_close(again, first)
+    accepted, _ = accept_greedy(tree, again.argmax(-1))
+    backend.commit(accepted)
+    assert backend.past_len == 4 + len(accepted) == cache_length(backend.kv.cache())
+    assert len(backend.taps) == len(accepted) and backend.head_kv.length() == 4
+    with pytest.raises(ValueError, match="exceeds the context limit"):
+        backend.prefill(torch.zeros(backend.max_positions + 1, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="no draft head"):
+        TorchBackend(target).draft(3)
+    assert TorchBackend(target).prefill(torch.tensor([3])).shape == (target.vocab_size,)
+
+
+# ---------------------------------------------------------------------------------------------------
+# load_backend
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_load_backend_kinds_and_one_line_errors(tiny_target_dir, tiny_pair, tmp_path):
+    from jetflow_pl.runtime.graph_backend import TorchGraphBackend
+
+    target, head = tiny_pair
+    assert BACKEND_KINDS == ("torch", "torch-graph", "onnxruntime", "tensorrt")
+    assert isinstance(load_backend("torch", target=target, head=head), TorchBackend)
+    ar = load_backend("torch", target=tiny_target_dir)  # a folder: loaded, no head = AR only
+    assert isinstance(ar, TorchBackend) and ar.block_size == 1 and not ar.has_head
+    graph = load_backend("graph", target=target, head=head, topk=3)  # the older name of torch-graph
+    assert isinstance(graph, TorchGraphBackend) and graph.topk == 3
+    with pytest.raises(ValueError, match="top-k"):
+        graph.check_width(4)
+    with pytest.raises(UserInputError, match="unknown backend 'onnx'"):
+        load_backend("onnx", engine_dir=tmp_path)
+    with pytest.raises(UserInputError, match="needs a draft head"):
+        load_backend("torch-graph", target=target)
+    with pytest.raises(UserInputError, match="needs the target"):
+        load_backend("torch")
+    with pytest.raises(UserInputError, match="needs an engine directory"):
+        load_backend("onnxruntime")
+    with pytest.raises(MissingPathError, match="does not exist"):
+        load_backend("onnxruntime", engine_dir=tmp_path / "missing")
+    with pytest.raises(MissingPathError, match="target directory"):
+        load_backend("torch", target=tmp_path / "missing")
+    if importlib.util.find_spec("tensorrt") is None:
+        with pytest.raises(UserInputError, match="needs TensorRT"):
+            load_backend("tensorrt", engine_dir=tmp_path)
