@@ -50,6 +50,7 @@ from jetflow_pl.decoding.budget import (  # noqa: E402
 from jetflow_pl.decoding.cost_profile import CostProfile, cost_profile_for  # noqa: E402
 from jetflow_pl.generate_cli import _backends, _hf_decode_tokens_per_s, load_head_or_untrained  # noqa: E402
 from jetflow_pl.prompt_files import load_local_rows  # noqa: E402
+from jetflow_pl.runtime.loader import BACKEND_KINDS  # noqa: E402
 
 DEFAULT_PROMPTS = REPO / "data_gen/toy/assets/heldout_prompts/math.jsonl"
 
@@ -98,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16, 32, 64])
     p.add_argument("--width", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--backend", choices=["torch", "graph", "onnxruntime"], default="torch")
+    p.add_argument("--backend", choices=[*BACKEND_KINDS, "graph"], default="torch")
     p.add_argument("--engine-dir", type=Path, default=None)
     p.add_argument("--cost-profile", type=Path, default=None, help="pin a cost profile (else the cache)")
     p.add_argument("--acceptance-profile", type=Path, default=None)
@@ -115,12 +116,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     eos = tokenizer.eos_token_id
     chat = not args.no_chat_template
     prompts = read_prompts(args.prompts, tokenizer, args.n_prompts, chat)
-    ns = argparse.Namespace(backend=args.backend, width=args.width, engine_dir=args.engine_dir)
-    backend, ar_backend = _backends(ns, target, head)
-    if args.backend == "torch":
-        from jetflow_pl.runtime.torch_backend import TorchBackend
-
-        ar_backend = TorchBackend(target)
+    ns = argparse.Namespace(backend=args.backend, width=args.width, engine_dir=args.engine_dir, device="cpu")
+    backend, ar_backend = _backends(ns, target, head)  # the generate CLI's: AR on the same backend kind
 
     t0 = time.perf_counter()
     cost: CostProfile = cost_profile_for(backend, args.cost_profile)

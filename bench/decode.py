@@ -7,7 +7,7 @@ untrained (random init): tau then shows the loop's floor, not the method's ceili
 
 The measuring pieces are plain functions (`load_target`, `domain_prompts`, `run_prompts`,
 `tokens_per_s`, `spec_summary`, `accept_histogram`) so that `bench/run_all.py` computes its numbers with
-the same code and the same metric definitions (DESIGN.md section 4) as this script.
+the same code and the same metric definitions (docs/DESIGN.md section 4) as this script.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from data_gen.toy.splits import DOMAINS, heldout_prompts  # noqa: E402
 from data_gen.toy.tokenizer import prompt_ids  # noqa: E402
 from jetflow_pl.decoding import ARGenerator, GenerationResult, SpeculativeGenerator  # noqa: E402
 from jetflow_pl.generate_cli import load_head_or_untrained  # noqa: E402
-from jetflow_pl.runtime.torch_backend import TorchBackend  # noqa: E402
+from jetflow_pl.runtime.loader import BACKEND_KINDS, load_backend  # noqa: E402
 from jetflow_pl.target import TargetModel  # noqa: E402
 
 
@@ -56,7 +56,7 @@ def run_prompts(gen: SpeculativeGenerator, prompts: Sequence[list[int]], max_new
 def tokens_per_s(runs: Sequence[GenerationResult]) -> float:
     """Decode tokens/s over a set of runs: all decode-round tokens / all decode seconds.
 
-    The prefill and the token it yields are excluded (DESIGN.md section 4), and the set is pooled rather
+    The prefill and the token it yields are excluded (docs/DESIGN.md section 4), and the set is pooled rather
     than averaged per prompt so that short (early-EOS) prompts do not dominate."""
     tokens = sum(max(len(r.tokens) - 1, 0) for r in runs)
     seconds = sum(r.decode_seconds for r in runs)
@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--n-prompts", type=int, default=8)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--backend", choices=BACKEND_KINDS, default="torch", help="AR runs on the same kind")
+    p.add_argument("--engine-dir", type=Path, default=None, help="for --backend onnxruntime / tensorrt")
     p.add_argument("--out", type=Path, default=Path("bench/results/decode.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -107,8 +109,10 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer, target = load_target(args.target)
     head = load_head_or_untrained(args.head, target, tokenizer)
     eos = tokenizer.eos_token_id
-    ar = ARGenerator(TorchBackend(target), eos)
-    spec_backend = TorchBackend(target, head)
+    spec_backend = load_backend(
+        args.backend, target=target, head=head, engine_dir=args.engine_dir, topk=max(8, args.width)
+    )
+    ar = ARGenerator(load_backend("torch", target=target) if args.backend == "torch" else spec_backend, eos)
 
     results: dict = {
         "machine": {
@@ -118,6 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
             "threads": args.threads,
         },
         "command": " ".join(["python", "bench/decode.py", *(argv if argv is not None else sys.argv[1:])]),
+        "backend": args.backend,
         "head": str(args.head) if args.head else "untrained (random init)",
         "width": args.width,
         "refine_factor": args.refine_factor,

@@ -1,10 +1,13 @@
 """Runtime benchmark: decode tokens/s of the ONNX Runtime backend vs the torch backend vs AR, same prompts.
 
     python bench/runtime.py --out bench/results/runtime.json [--engine-dir DIR] [--variant portable]
+                            [--backends torch onnxruntime tensorrt]
 
 Without `--engine-dir` the shipped toy head + target are exported once into `runs/engines/<variant>`
 (reused when present). Per backend: AR (budget 0, same loop) and speculative decoding at each budget;
-tau, pooled decode tokens/s and speedup vs that backend's own AR, plus the token check against torch AR.
+tau, pooled decode tokens/s and speedup vs that backend's own AR, plus the token check against the first
+backend's AR (torch by default; the field keeps its name `token_mismatches_vs_torch_ar`). Backends come
+from `jetflow_pl.runtime.load_backend`.
 """
 
 from __future__ import annotations
@@ -26,8 +29,7 @@ from bench.decode import domain_prompts, load_target, mean_tau, run_prompts, tok
 from data_gen.toy import SMALL_HEAD_DIR, SMALL_TARGET_DIR  # noqa: E402
 from jetflow_pl.checkpoints import load_draft_head  # noqa: E402
 from jetflow_pl.decoding import ARGenerator, SpeculativeGenerator  # noqa: E402
-from jetflow_pl.runtime.ort_backend import OnnxRuntimeBackend  # noqa: E402
-from jetflow_pl.runtime.torch_backend import TorchBackend  # noqa: E402
+from jetflow_pl.runtime.loader import BACKEND_KINDS, ENGINE_KINDS, load_backend  # noqa: E402
 
 
 def ensure_engine(engine_dir: Path | None, variant: str) -> Path:
@@ -72,21 +74,37 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--n-prompts", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--backends",
+        nargs="+",
+        choices=BACKEND_KINDS,
+        default=["torch", "onnxruntime"],
+        help="backend kinds to measure; the first one's AR is the token reference",
+    )
     p.add_argument("--out", type=Path, default=Path("bench/results/runtime.json"))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    engine = ensure_engine(args.engine_dir, args.variant)
+    needs_engine = any(kind in ENGINE_KINDS for kind in args.backends)
+    engine = ensure_engine(args.engine_dir, args.variant) if needs_engine else None
     tokenizer, target = load_target(SMALL_TARGET_DIR)
     head = load_draft_head(args.head).eval()
     prompts = domain_prompts(tokenizer, args.domain, args.n_prompts)
     eos = tokenizer.eos_token_id
     t0 = time.time()
-    torch_res, torch_ar = measure(
-        TorchBackend(target, head), prompts, args.budgets, args.width, args.max_new_tokens, eos
-    )
-    ort_backend = OnnxRuntimeBackend(engine, intra_op_threads=args.threads)
-    ort_res, _ = measure(ort_backend, prompts, args.budgets, args.width, args.max_new_tokens, eos, torch_ar)
+    measured, reference = {}, None
+    for kind in args.backends:
+        backend = load_backend(
+            kind,
+            target=target,
+            head=head,
+            engine_dir=engine,
+            intra_op_threads=args.threads,
+            topk=max(8, args.width),
+        )
+        res, ar = measure(backend, prompts, args.budgets, args.width, args.max_new_tokens, eos, reference)
+        measured[kind] = res
+        reference = ar if reference is None else reference
     result = {
         "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
         "machine": {
@@ -94,18 +112,19 @@ def main(argv: list[str] | None = None) -> dict:
             "processor": platform.processor(),
             "threads": args.threads,
         },
-        "engine_dir": str(engine),
-        "variant": json.loads((engine / "config.json").read_text())["variant"],
+        "engine_dir": str(engine) if engine is not None else None,
+        "variant": json.loads((engine / "config.json").read_text())["variant"]
+        if engine is not None
+        else None,
         "domain": args.domain,
         "n_prompts": args.n_prompts,
         "max_new_tokens": args.max_new_tokens,
-        "torch": torch_res,
-        "onnxruntime": ort_res,
+        **measured,
         "wall_seconds": time.time() - t0,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    for name in ("torch", "onnxruntime"):
+    for name in args.backends:
         r = result[name]
         cells = ", ".join(
             f"b{b}: tau {v['tau']:.2f} {v['decode_tokens_per_s']:.0f} tok/s" for b, v in r["budgets"].items()

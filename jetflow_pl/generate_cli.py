@@ -1,6 +1,6 @@
 """`python -m jetflow_pl generate` / `jetflow-generate`: speculative decoding from the command line.
 
-Prints the generated text and the metrics of DESIGN.md: tau (tokens per target verify forward), decode
+Prints the generated text and the metrics of docs/DESIGN.md: tau (tokens per target verify forward), decode
 tokens/s (prefill excluded) and, with `--compare`, the speedup over the AR loop on the same backend and
 over HF `generate()`, measured in the same run on the same machine.
 
@@ -29,7 +29,7 @@ from jetflow_pl.decoding import ARGenerator, SamplingConfig, SpeculativeGenerato
 from jetflow_pl.decoding.budget import ACCEPTANCE_PROFILE_FILE, AcceptanceProfile, AutoBudget
 from jetflow_pl.errors import MissingPathError, NumericalError, UserInputError
 from jetflow_pl.head import DraftHead, DraftHeadConfig
-from jetflow_pl.runtime.torch_backend import TorchBackend
+from jetflow_pl.runtime.loader import BACKEND_KINDS, ENGINE_KINDS, load_backend, resolve_kind
 from jetflow_pl.target import TargetModel
 from jetflow_pl.tree import Top2GapCap
 
@@ -125,12 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     p.add_argument(
         "--backend",
-        choices=["torch", "graph", "onnxruntime"],
+        choices=[*BACKEND_KINDS, "graph"],
         default="torch",
-        help="torch: HF target + head; graph: the decode graphs eagerly in torch (tree-attention op, Triton "
-        "on CUDA); onnxruntime: an exported engine directory (--engine-dir)",
+        help="torch: HF target + head; torch-graph (or graph): the decode graphs eagerly in torch "
+        "(tree-attention op, Triton on CUDA); onnxruntime / tensorrt: an exported engine directory "
+        "(--engine-dir; tensorrt needs --device cuda)",
     )
-    p.add_argument("--engine-dir", type=Path, default=None, help="engine directory for --backend onnxruntime")
+    p.add_argument(
+        "--engine-dir", type=Path, default=None, help="engine directory for --backend onnxruntime / tensorrt"
+    )
     p.add_argument("--compare", action="store_true", help="also time AR decoding and HF generate()")
     p.add_argument("--json", type=Path, default=None, help="write per-prompt metrics to this JSON file")
     return p
@@ -199,28 +202,24 @@ def _check_device(name: str) -> None:
 
 
 def _backends(args: argparse.Namespace, target: TargetModel, head: DraftHead):
-    """(speculative backend, AR backend): AR runs on the same kind of backend, so speedups compare like
-    with like (DESIGN.md section 4)."""
-    if args.backend == "torch":
-        return TorchBackend(target, head), TorchBackend(target)
-    if args.backend == "graph":
-        from jetflow_pl.runtime.graph_backend import TorchGraphBackend
-
-        backend = TorchGraphBackend(target, head, topk=max(8, args.width))
-        return backend, backend
-    if args.engine_dir is None:
-        raise UserInputError("--backend onnxruntime needs --engine-dir DIR (written by jetflow-export)")
-    from jetflow_pl.runtime.ort_backend import OnnxRuntimeBackend
-
-    try:
-        backend = OnnxRuntimeBackend(args.engine_dir)
-    except (FileNotFoundError, ValueError) as err:
-        raise UserInputError(str(err)) from err
+    """(speculative backend, AR backend) of `--backend`: AR runs on the same kind of backend, so speedups
+    compare like with like (docs/DESIGN.md section 4); on torch the AR backend has no head (no taps)."""
+    kind = resolve_kind(args.backend)
+    if kind in ENGINE_KINDS and args.engine_dir is None:
+        raise UserInputError(f"--backend {args.backend} needs --engine-dir DIR (written by jetflow-export)")
+    backend = load_backend(
+        kind,
+        target=target,
+        head=head,
+        engine_dir=args.engine_dir,
+        device=args.device,
+        topk=max(8, args.width),
+    )
     try:
         backend.check_width(args.width)
     except ValueError as err:
         raise UserInputError(str(err)) from err
-    return backend, backend
+    return backend, load_backend("torch", target=target) if kind == "torch" else backend
 
 
 def _acceptance_prior(args: argparse.Namespace) -> AcceptanceProfile | None:
