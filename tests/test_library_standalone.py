@@ -1,4 +1,8 @@
-"""`jetflow_pl` is the ground floor: it imports none of the stages, and its front door is light."""
+"""`jetflow_pl` is the ground floor: it imports none of the stages, and its front door is light.
+
+Inside it, the runtime (`jetflow_pl.runtime`: engine directory, backends, KV bookkeeping) is the floor
+under the decode loop (`jetflow_pl.decoding`): the loop imports the runtime's protocol, never the reverse.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +11,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 LIBRARY = REPO / "jetflow_pl"
-#: the stages that import the library, never the reverse (`export` is tracked by its own issue)
-STAGES = ("data_gen", "bench", "scripts")
+#: the stage packages, which import the library, never the reverse
+STAGES = ("data_gen", "export", "bench", "scripts", "trt_plugins")
 
 
-def stage_imports(path: Path, root: Path = REPO) -> list[str]:
-    """`file:line module` for every import of a stage in `path`, at any depth (functions included)."""
+def stage_imports(path: Path, root: Path = REPO, stages: tuple[str, ...] = STAGES) -> list[str]:
+    """`file:line module` for every import of one of `stages` (dotted prefixes) in `path`, at any depth
+    (functions included)."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     found = []
     for node in ast.walk(tree):
@@ -25,14 +32,27 @@ def stage_imports(path: Path, root: Path = REPO) -> list[str]:
         else:
             continue
         for name in names:
-            if name.split(".")[0] in STAGES:
-                found.append(f"{path.relative_to(root)}:{node.lineno} {name}")
-    return found
+            if any(name == stage or name.startswith(stage + ".") for stage in stages):
+                found.append((node.lineno, f"{path.relative_to(root)}:{node.lineno} {name}"))
+    return [hit for _, hit in sorted(found)]
 
 
-def test_the_library_imports_no_stage():
-    offenders = [hit for path in sorted(LIBRARY.rglob("*.py")) for hit in stage_imports(path)]
-    assert offenders == [], "jetflow_pl must not import " + "/".join(STAGES) + ":\n" + "\n".join(offenders)
+@pytest.mark.parametrize("stage", STAGES)
+def test_the_library_imports_no_stage(stage):
+    offenders = [
+        hit for path in sorted(LIBRARY.rglob("*.py")) for hit in stage_imports(path, stages=(stage,))
+    ]
+    assert offenders == [], f"jetflow_pl must not import {stage}:\n" + "\n".join(offenders)
+
+
+def test_the_runtime_does_not_import_the_decode_loop():
+    runtime = LIBRARY / "runtime"
+    offenders = [
+        hit
+        for path in sorted(runtime.rglob("*.py"))
+        for hit in stage_imports(path, stages=("jetflow_pl.decoding",))
+    ]
+    assert offenders == [], "jetflow_pl.runtime must not import jetflow_pl.decoding:\n" + "\n".join(offenders)
 
 
 def test_the_scan_finds_imports_at_any_depth(tmp_path):
@@ -41,11 +61,13 @@ def test_the_scan_finds_imports_at_any_depth(tmp_path):
         "import os\nimport data_gen\n\n"
         "def f():\n    from data_gen.toy.splits import heldout_prompts\n\n"
         "class C:\n    def g(self):\n        import bench.decode as d\n        from . import data_gen\n"
+        "import exporter\nfrom export.contract import X\n"
     )
     assert stage_imports(probe, tmp_path) == [
         "probe.py:2 data_gen",
         "probe.py:5 data_gen.toy.splits",
         "probe.py:9 bench.decode",
+        "probe.py:12 export.contract",
     ]
 
 
