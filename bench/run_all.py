@@ -4,7 +4,7 @@
 
 On the shipped toy target (`data_gen/toy/assets/small`) it measures, in one process on one machine:
 
-- decode: tau and decode tokens/s (DESIGN.md section 4: prefill excluded) of speculative decoding with
+- decode: tau and decode tokens/s (docs/DESIGN.md section 4: prefill excluded) of speculative decoding with
   the causal head (the shipped `small_head`), the bidirectional head (`--bidir-head`, a DFlash-style head
   trained by `configs/quickstart.yaml` with `causal: false`) and the chain (causal head, width 1), for
   every budget and toy domain; the baselines are the project's own AR loop (`ARGenerator`, same backend

@@ -1,7 +1,7 @@
 """Choosing the draft head's MASK token for a real tokenizer, and proving it never occurs in the data.
 
 Why: the head's block is `[anchor, MASK, ..., MASK]`, so MASK must be an id the target never sees as a real
-token: neither pad nor EOS (DESIGN.md section 2), not part of the chat format, and absent from the training
+token: neither pad nor EOS (docs/DESIGN.md section 2), not part of the chat format, and absent from the training
 data (a MASK id that occurs in the data makes "predict here" and "this token" the same input). Toy
 tokenizers reserve `<|mask|>`; a real vocabulary often has no free id (SmolLM2 fills all 49152), so the
 MASK must be one of the tokenizer's reserved special tokens (e.g. SmolLM2's `<filename>`, Llama 3's

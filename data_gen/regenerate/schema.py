@@ -13,7 +13,7 @@ One row per sample:
 | `response`      | string          | the response text (special tokens dropped)                                |
 | `finish_reason` | string          | `"eos"` (a stop token was produced) or `"length"` (`max_new_tokens` hit)  |
 
-The distillation stage reads `input_ids` / `loss_mask` (DESIGN.md section 3). The output folder:
+The distillation stage reads `input_ids` / `loss_mask` (docs/DESIGN.md section 3). The output folder:
 
     <out>/run.json          run fingerprint (target path, config hash, settings); a different run is refused
     <out>/shards/*.parquet  finished rows, one file per flush, written to a temp name then renamed
