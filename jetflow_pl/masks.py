@@ -1,7 +1,7 @@
 """Attention masks in the TensorRT-LLM packed layout: one home for packing, unpacking, chain and block masks,
 and the batch packer the runtime hands to `jetflow::tree_attention`.
 
-Layout (DESIGN.md section 4): int32 words, row `i`, word `w`, bit `b` (LSB first) set iff row `32w + b`
+Layout (docs/DESIGN.md section 4): int32 words, row `i`, word `w`, bit `b` (LSB first) set iff row `32w + b`
 is visible from row `i`; a word with bit 31 set is a negative int32. A single mask is `[N, ceil(N/32)]`;
 a batch of requests is `[B, N, ceil(N/32)]` with per-request generation lengths (rows in use) and position
 offsets (node depths), as TensorRT-LLM's `spec_decoding_packed_mask`, `spec_decoding_generation_lengths`

@@ -1,6 +1,6 @@
 """Draft trees: the one tree implementation shared by every backend (torch, ONNX Runtime, TensorRT).
 
-Conventions (see ``docs/ARCHITECTURE.md`` and ``DESIGN.md`` section 4):
+Conventions (see ``docs/ARCHITECTURE.md`` and ``docs/DESIGN.md`` section 4):
 
 * A :class:`DraftTree` holds ``N = budget + 1`` nodes. Node 0 is the root: the anchor token, already
   chosen by the target but not yet in the target KV cache. Nodes are stored parent-before-child

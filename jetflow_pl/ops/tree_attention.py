@@ -1,6 +1,6 @@
 """`jetflow::tree_attention`: the one tree-causal attention contract (torch, ONNX, TensorRT, Triton, CUDA).
 
-Semantics (DESIGN.md sections 4-5). Per request `b` and query head `h` (KV head `h // (Hq / Hkv)`, GQA):
+Semantics (docs/DESIGN.md sections 4-5). Per request `b` and query head `h` (KV head `h // (Hq / Hkv)`, GQA):
 
     out[b, h, i] = softmax_j(scale * q[b, h, i] . K[b, j]) V[b, j]   over
         j in {prefix rows p < past_lengths[b]} U {tree rows t : bit t of packed_mask[b, i] is set}

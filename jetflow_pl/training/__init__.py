@@ -1,7 +1,7 @@
 """Distillation core: anchor sampling, training masks, teacher/student losses, metrics, one step.
 
 These are pure functions (plus two torchmetrics metrics) that the Lightning `DistillationModule` calls;
-see `docs/ARCHITECTURE.md` and DESIGN.md section 3 for the conventions they implement.
+see `docs/ARCHITECTURE.md` and docs/DESIGN.md section 3 for the conventions they implement.
 """
 
 from .anchors import sample_anchors, segment_ids

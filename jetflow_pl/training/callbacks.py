@@ -2,7 +2,7 @@
 
 - `AcceptanceLengthCallback`: every `every_n_steps` optimizer steps (and once when training ends) runs the
   real `SpeculativeGenerator` (greedy, tree budget/width) with the current head on held-out prompts and
-  logs `val/tau`: tokens committed per target verify forward, the metric of DESIGN.md section 4.
+  logs `val/tau`: tokens committed per target verify forward, the metric of docs/DESIGN.md section 4.
 - `HFHeadExport`: writes the head with `save_pretrained` as `<dirpath>/last` (at the end of training, and
   every `every_n_steps` if set) and `<dirpath>/best` (whenever the monitored metric, `val/tau` by
   default, improves); both load with `DraftHead.from_pretrained`.

@@ -1,6 +1,6 @@
 """`DistillDataModule`: tokenized `(input_ids, loss_mask)` documents, packed into fixed-length rows.
 
-Sources (DESIGN.md section 3):
+Sources (docs/DESIGN.md section 3):
 
 - a regenerated dataset folder (`datasets.load_from_disk`; the schema of `data_gen/regenerate/schema.py`:
   columns `id, domain, input_ids, loss_mask, prompt_len, response, finish_reason`). The folder may be the

@@ -4,7 +4,7 @@ Both accumulate per-depth counts (`correct[d]`, `total[d]`: rows at depth `d+1` 
 the target's argmax) and reduce by summation, so they are exact under DDP and across batches.
 
 The simulated acceptance length is `1 + sum_k prod_{j<=k} a_j` where `a_j` is the per-depth agreement
-RATE pooled over everything seen (DESIGN.md section 3). It multiplies marginal per-depth rates, i.e. it
+RATE pooled over everything seen (docs/DESIGN.md section 3). It multiplies marginal per-depth rates, i.e. it
 treats the depths as independent; it is a cheap proxy for tau (a chain-accepting walk on a single draft
 path of length `num_depths`), not the real acceptance length measured by speculative decoding.
 """

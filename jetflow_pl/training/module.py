@@ -1,4 +1,4 @@
-"""`DistillationModule`: Lightning wrapper around `distill_step` (DESIGN.md section 3).
+"""`DistillationModule`: Lightning wrapper around `distill_step` (docs/DESIGN.md section 3).
 
 The target is frozen and deliberately NOT a registered submodule: it is held in a plain attribute, so
 it is neither optimized nor saved: a Lightning checkpoint holds only the head's weights (`head.*`), and
@@ -113,7 +113,7 @@ class DistillationModule(LightningModule):
         block_size: `[anchor, MASK * (block_size - 1)]`.
         causal: True = JetFlow causal in-block attention; False = DFlash bidirectional (ablation).
         mask_token_id: reserved MASK id, never in the data (checked); default: `default_mask_token_id`.
-        target_layer_ids: target layers to tap; default DESIGN.md's formula.
+        target_layer_ids: target layers to tap; default docs/DESIGN.md's formula.
         init_head_path: start from a saved head (must fit the target) instead of a fresh one.
         init_from_target_layers: start head layer `i` as a copy of target layer `ids[i]` (and the head's
             final norm as the target's): a slice of the target, e.g. its last layers (`head/init.py`).

@@ -9,7 +9,7 @@ batch (online); a teacher cache (`teacher_cache.py`) supplies the same tensors f
 `teacher_hidden=`). Anchors, masks, gathering and the loss are the same code either way; the target is
 then only used for its frozen embedding and lm_head.
 
-Positions: without packing, row `t` is at position `t` and block offset `k` at `p + k` (DESIGN.md).
+Positions: without packing, row `t` is at position `t` and block offset `k` at `p + k` (docs/DESIGN.md).
 With packing (`doc_ids`), positions restart at 0 in every document, for the target and the head alike,
 which is what each document sees at inference; since a block only attends inside its own document and
 RoPE is relative, this differs from plain `arange(S)` positions only by float rounding.
