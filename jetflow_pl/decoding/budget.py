@@ -465,6 +465,29 @@ class AutoBudget:
         )
 
 
+def choose_round_budget(policy: BudgetPolicy, requests: Sequence[AcceptanceStats]) -> int:
+    """The shared budget of one round for a batch of `len(requests)` requests (each request's own
+    acceptance so far in `requests`): a batch-aware policy's `choose_batch`, else `choose()`. A batch of
+    one is always `choose()`, so batch-1 decoding is exactly what it was."""
+    choose_batch = getattr(policy, "choose_batch", None)
+    if len(requests) > 1 and choose_batch is not None:
+        return int(choose_batch(requests))
+    return int(policy.choose())
+
+
+def observe_round(
+    policy: BudgetPolicy, trees: Sequence[DraftTree], accepted: Sequence[Sequence[int]]
+) -> None:
+    """Report one round (every request's tree and accepted node ids) to `policy`: `observe_batch` for a
+    batch-aware policy (its schedule counts rounds, not requests), else `observe` per request."""
+    observe_batch = getattr(policy, "observe_batch", None)
+    if len(trees) > 1 and observe_batch is not None:
+        observe_batch(trees, accepted)
+        return
+    for tree, acc in zip(trees, accepted, strict=True):
+        policy.observe(tree, acc)
+
+
 def resolve_budget(budget: int | str | BudgetPolicy) -> BudgetPolicy:
     """`SpeculativeGenerator`'s `budget` argument as a policy: an int -> `FixedBudget`, "auto" ->
     `AutoBudget()` (cost profile from this machine's cache, no prior), a policy as it is."""

@@ -1,18 +1,23 @@
 """The one decode loop: draft a tree, verify it in one target pass, accept, commit, repeat.
 
-`SpeculativeGenerator` runs over any `DecodeBackend`. With `budget=0` the tree is the root alone, which
-is exactly autoregressive decoding on the same backend and cache code: `ARGenerator` is that baseline.
-The budget of each round comes from a `BudgetPolicy` (`budget.py`): a fixed number, or `"auto"`, which
-picks per round from this machine's cost profile and the head's acceptance so far and drops to budget 0
-(no draft forward) where drafting cannot pay. Whatever the budget, every committed token is the target's
-own choice, so the output is the same in every mode (lossless).
+`SpeculativeGenerator._round` is one round for a batch of requests (one of them, or many): ONE head
+forward drafts for every request that drafts this round, each request builds its own tree (its own
+budget), ONE target forward verifies every tree (own KV length, own mask), and each request accepts with
+its own sampling settings and random generator, then stops on its own stop ids. `generate` is that round
+for a batch of one, driven by `engine.DecodeEngine` (which schedules many requests: continuous batching).
+With `budget=0` the tree is the root alone, which is exactly autoregressive decoding on the same backend
+and cache code: `ARGenerator` is that baseline. The budget of each round comes from a `BudgetPolicy`
+(`budget.py`): a fixed number, or `"auto"`, which picks per round from this machine's cost profile (at
+the batch size being served) and the head's acceptance so far and drops to budget 0 (no draft forward)
+where drafting cannot pay. Whatever the budget, every committed token is the target's own choice, so the
+output is the same in every mode (lossless).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,9 +26,11 @@ from jetflow_pl.decoding.budget import (
     AcceptanceStats,
     BudgetPolicy,
     FixedBudget,
+    choose_round_budget,
+    observe_round,
     resolve_budget,
 )
-from jetflow_pl.decoding.sampling import SamplingConfig, choose_token, processed_probs
+from jetflow_pl.decoding.sampling import SamplingConfig, processed_probs
 from jetflow_pl.errors import UserInputError, check_finite
 from jetflow_pl.runtime.backend import DecodeBackend, max_budget, vocab_size
 from jetflow_pl.tree import (
@@ -35,6 +42,9 @@ from jetflow_pl.tree import (
     build_tree,
     rescore_and_select,
 )
+
+if TYPE_CHECKING:
+    from jetflow_pl.decoding.engine import DecodeEngine
 
 _TARGET_ADVICE = "a float16 overflow in the target is the usual cause; load it in bfloat16 or float32"
 
@@ -54,6 +64,10 @@ class GenerationResult:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     finish_reason: str = "length"
+    #: `time.perf_counter()` when the request was submitted, drew its first token, finished (0: unset)
+    submitted_at: float = 0.0
+    first_token_at: float = 0.0
+    finished_at: float = 0.0
 
     @property
     def num_rounds(self) -> int:
@@ -69,6 +83,16 @@ class GenerationResult:
         """Tokens produced by the decode rounds per second (prefill and its token excluded)."""
         n = max(len(self.tokens) - 1, 0)
         return n / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def latency_s(self) -> float:
+        """Seconds from submission to the last token (queueing and prefill included)."""
+        return self.finished_at - self.submitted_at if self.finished_at else 0.0
+
+    @property
+    def ttft_s(self) -> float:
+        """Seconds from submission to the first token."""
+        return self.first_token_at - self.submitted_at if self.first_token_at else 0.0
 
 
 class SpeculativeGenerator:
@@ -115,6 +139,7 @@ class SpeculativeGenerator:
         if top is not None and top > 0 and backend.block_size < 2:
             raise UserInputError("a draft budget needs a backend with a draft head (block_size >= 2)")
         self.backend = backend
+        self.max_budget = limit
         self.budget = budget_policy.budget if isinstance(budget_policy, FixedBudget) else budget
         self.budget_policy = budget_policy
         self.acceptance = AcceptanceStats([k for k in LADDER_BUDGETS if k <= limit])
@@ -129,18 +154,15 @@ class SpeculativeGenerator:
         else:
             self.eos_ids = frozenset(int(t) for t in eos_token_id)
 
-    def _next_tree(self, anchor: int, budget: int) -> DraftTree:
-        # the anchor sits at `past_len`; a depth-d node at `past_len + d` must stay inside the context
-        max_depth = self.backend.max_positions - 1 - self.backend.past_len
-        if budget == 0 or max_depth < 1:
-            return DraftTree.chain([anchor])
-        depth_logprobs = self.backend.draft(anchor)[:max_depth]
+    def _tree(
+        self, batch: Any, depth_logprobs: torch.Tensor, anchor: int, budget: int, past: int
+    ) -> DraftTree:
         # NaN here means the head overflowed (fp16 is the usual cause); build_tree would refuse it too,
         # but only this loop knows it was the head and where, so the message can say what to change
         check_finite(
             depth_logprobs,
             "the draft head",
-            f"log-probs at position {self.backend.past_len}",
+            f"log-probs at position {past}",
             "a float16/bfloat16 overflow in the head is the usual cause; run the head in float32 "
             "(or bfloat16 instead of float16) or check the head's weights",
         )
@@ -154,17 +176,65 @@ class SpeculativeGenerator:
             self.policy,
             self.score_quantum,
         )
-        return rescore_and_select(candidates, self.backend.refine(candidates), budget)
+        return rescore_and_select(candidates, batch.refine(candidates), budget)
 
     @torch.no_grad()
-    def generate(
-        self,
-        prompt_ids: Sequence[int] | torch.Tensor,
-        max_new_tokens: int,
-        sampling: SamplingConfig | None = None,
-    ) -> GenerationResult:
-        """Generate up to `max_new_tokens` tokens after `prompt_ids` (stops after an EOS token)."""
-        sampling = sampling or SamplingConfig()
+    def _round(self, batch: Any, requests: Sequence[Any]) -> None:
+        """One round for every request of the decoding batch (see the module docstring).
+
+        `batch` speaks the batch protocol (`runtime.backend.BatchDecodeBackend`, or the one-slot adapter
+        `engine.SingleSequence`); `requests` are the engine's live requests (slot, anchor token, sampling
+        settings and generator, stop ids, budget override, result). Appends the round's tokens to each
+        request's result and sets `finish_reason` where one finished.
+        """
+        slots = [r.slot for r in requests]
+        shared = choose_round_budget(self.budget_policy, [r.stats for r in requests])
+        budgets = [shared if r.budget is None else r.budget for r in requests]
+        # the anchor sits at `past_len`; a depth-d node at `past_len + d` must stay inside the context
+        past = [batch.past_length(s) for s in slots]
+        depth = [batch.max_positions - 1 - p for p in past]
+        drafting = [k > 0 and d >= 1 for k, d in zip(budgets, depth, strict=True)]
+        lps = batch.draft_batch(slots, [r.token for r in requests]) if any(drafting) else None
+        trees = [
+            self._tree(batch, lps[i][: depth[i]], r.token, budgets[i], past[i])
+            if drafting[i]
+            else DraftTree.chain([r.token])
+            for i, r in enumerate(requests)
+        ]
+        logits = batch.verify_batch(slots, trees)
+        accepted_all, nexts = [], []
+        for r, tree, lg, p in zip(requests, trees, logits, past, strict=True):
+            # argmax over NaN picks garbage silently: a lossless decoder must refuse instead
+            check_finite(lg, "the target", f"logits at position {p}", _TARGET_ADVICE)
+            if r.sampling.greedy:
+                accepted, token = accept_greedy(tree, lg.argmax(dim=-1))
+            else:
+                accepted, token = accept_sampling(tree, processed_probs(lg, r.sampling), r.generator)
+            accepted_all.append(accepted)
+            nexts.append(token)
+        batch.commit_batch(slots, accepted_all)
+        observe_round(self.budget_policy, trees, accepted_all)
+        for r, tree, accepted, token, budget in zip(
+            requests, trees, accepted_all, nexts, budgets, strict=True
+        ):
+            if not self.refine_factor:  # a refined tree is not a prefix tree (see budget.py)
+                self.acceptance.observe(accepted, tree.budget)
+                r.stats.observe(accepted, tree.budget)
+            res = r.handle.result
+            res.accept_lengths.append(len(accepted))
+            res.budgets.append(budget)
+            r.token = token
+            for new in [*tree.tokens[accepted[1:]].tolist(), token]:
+                res.tokens.append(int(new))
+                if new in r.stop_ids:
+                    res.finish_reason = "eos" if new in self.eos_ids else "stop"
+                    break
+                if len(res.tokens) >= r.max_new_tokens:
+                    res.finish_reason = "length"
+                    break
+
+    def check_prompt(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """The prompt as a `[T]` long tensor, or one `UserInputError` saying what is wrong with the request."""
         if max_new_tokens < 0:
             raise UserInputError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long)
@@ -172,7 +242,7 @@ class SpeculativeGenerator:
             # flattening [2, T] would silently decode two prompts glued together
             raise UserInputError(
                 f"prompt_ids must be one sequence ([T] or [1, T]), got shape {list(prompt.shape)}; "
-                "the decode loop runs one sequence at a time"
+                "submit several prompts to an engine (SpeculativeGenerator.engine) to decode them together"
             )
         prompt = prompt.reshape(-1)
         if prompt.numel() == 0:
@@ -191,45 +261,36 @@ class SpeculativeGenerator:
                 f"prompt ({prompt.numel()} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                 f"target's context limit of {limit} positions"
             )
+        return prompt
+
+    def engine(self, **kwargs: Any) -> DecodeEngine:
+        """A `DecodeEngine` (continuous batching) over this generator's backend and algorithm; keyword
+        arguments as `DecodeEngine` (`max_batch`, `prefill_chunk`, `max_kv_tokens`, `max_queue`)."""
+        from jetflow_pl.decoding.engine import DecodeEngine
+
+        return DecodeEngine(self, **kwargs)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: Sequence[int] | torch.Tensor,
+        max_new_tokens: int,
+        sampling: SamplingConfig | None = None,
+    ) -> GenerationResult:
+        """Generate up to `max_new_tokens` tokens after `prompt_ids` (stops after an EOS token): the
+        engine's round for a batch of one, over the backend's one-sequence protocol."""
+        from jetflow_pl.decoding.engine import DecodeEngine, SingleSequence
+
+        prompt = self.check_prompt(prompt_ids, max_new_tokens)
         if max_new_tokens == 0:
             return GenerationResult(tokens=[])
-        gen = None if sampling.greedy else sampling.make_generator()
         # may measure this machine's cost profile once (budget="auto"): before the clock starts
         self.budget_policy.start(self.backend)
-
-        t0 = time.perf_counter()
-        logits = self.backend.prefill(prompt)
-        check_finite(logits, "the target", "logits at the end of the prompt", _TARGET_ADVICE)
-        token = choose_token(logits, sampling, gen)
-        t1 = time.perf_counter()
-        result = GenerationResult(tokens=[token], prefill_seconds=t1 - t0)
-        if token in self.eos_ids:
-            result.finish_reason = "eos"
-        while result.finish_reason != "eos" and len(result.tokens) < max_new_tokens:
-            budget = self.budget_policy.choose()
-            tree = self._next_tree(token, budget)
-            logits = self.backend.verify(tree)
-            # argmax over NaN picks garbage silently: a lossless decoder must refuse instead
-            check_finite(logits, "the target", f"logits at position {self.backend.past_len}", _TARGET_ADVICE)
-            if sampling.greedy:
-                accepted, token = accept_greedy(tree, logits.argmax(dim=-1))
-            else:
-                accepted, token = accept_sampling(tree, processed_probs(logits, sampling), gen)
-            self.backend.commit(accepted)
-            self.budget_policy.observe(tree, accepted)
-            if not self.refine_factor:  # a refined tree is not a prefix tree (see budget.py)
-                self.acceptance.observe(accepted, tree.budget)
-            result.accept_lengths.append(len(accepted))
-            result.budgets.append(budget)
-            for new in [*tree.tokens[accepted[1:]].tolist(), token]:
-                result.tokens.append(int(new))
-                if new in self.eos_ids:
-                    result.finish_reason = "eos"
-                    break
-                if len(result.tokens) >= max_new_tokens:
-                    break
-        result.decode_seconds = time.perf_counter() - t1
-        return result
+        engine = DecodeEngine(self, max_batch=1, prefill_chunk=None, backend=SingleSequence(self.backend))
+        engine._started = True
+        handle = engine.submit(prompt, max_new_tokens, sampling or SamplingConfig())
+        engine.run()
+        return handle.result
 
 
 class ARGenerator(SpeculativeGenerator):

@@ -1,15 +1,19 @@
-"""The small protocol every decode backend implements (torch, torch-graph, ONNX Runtime, TensorRT).
+"""The small protocols every decode backend implements (torch, torch-graph, ONNX Runtime, TensorRT).
 
 The decode loop (`jetflow_pl.decoding`) owns the algorithm (tree building, acceptance, budget, stopping);
 a backend owns the compute and the caches. One round is: `draft(anchor)` -> per-depth log-probs,
 `verify(tree)` -> target logits per node, `commit(accepted)` -> keep root + accepted rows of the target KV
-cache and hand their tapped features to the head as new context. Every backend in this package
-implements it through one bookkeeping class (`sequence.SequenceBackend`); the helpers below read what a
-backend states about itself, so the loop and the cost profile ask the same questions the same way.
+cache and hand their tapped features to the head as new context. `DecodeBackend` is that round for one
+sequence; `BatchDecodeBackend` is the same round for a batch of requests, each in its own slot with its
+own tree, KV length and acceptance (one head forward and one verify forward for all of them). Every
+backend in this package implements both through one bookkeeping class (`sequence.SequenceBackend`: the
+batch-1 calls are slot 0 of the batched ones); the helpers below read what a backend states about
+itself, so the loop and the cost profile ask the same questions the same way.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -20,6 +24,8 @@ from jetflow_pl.tree import DraftTree
 #: builds an `[N, past + N]` mask and runs N target rows at once; past ~1k nodes the speed-up is long
 #: gone and the memory is not, so a larger budget is a typo rather than a setting.
 DEFAULT_MAX_BUDGET = 1024
+#: request slots of a batched backend unless it is told otherwise (slots cost nothing until used)
+DEFAULT_MAX_BATCH = 64
 
 
 @runtime_checkable
@@ -60,6 +66,52 @@ class DecodeBackend(Protocol):
 
     def commit(self, accepted: list[int]) -> None:
         """Keep the KV rows of the accepted root path (node ids, root first); queue their taps for the head."""
+        ...
+
+
+@runtime_checkable
+class BatchDecodeBackend(Protocol):
+    """Compute for a batch of requests, one slot each (`max_batch` slots): the round of `DecodeBackend`
+    over the decoding batch. `slots` in `draft_batch` / `verify_batch` / `commit_batch` is the whole
+    decoding batch (every prefilled slot not released), in any order; results follow that order."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def max_positions(self) -> int: ...
+
+    @property
+    def max_batch(self) -> int:
+        """Slots: the most requests that can decode at once."""
+        ...
+
+    def past_length(self, slot: int) -> int:
+        """Positions in `slot`'s target KV cache."""
+        ...
+
+    def prefill(self, prompt_ids: torch.Tensor, slot: int = 0) -> torch.Tensor:
+        """Reset `slot` and run its whole prompt; return the last position's logits `[V]`."""
+        ...
+
+    def extend(self, slot: int, ids: torch.Tensor) -> torch.Tensor:
+        """One prefill chunk: append `ids` to `slot` (not decoding yet); return the last row's logits."""
+        ...
+
+    def draft_batch(self, slots: Sequence[int], anchors: Sequence[int]) -> list[torch.Tensor]:
+        """ONE head forward: per-depth log-probs `[B-1, V]` per request."""
+        ...
+
+    def verify_batch(self, slots: Sequence[int], trees: Sequence[DraftTree]) -> list[torch.Tensor]:
+        """ONE target forward over every request's tree: logits `[N_i, V]` per request."""
+        ...
+
+    def commit_batch(self, slots: Sequence[int], accepted: Sequence[Sequence[int]]) -> None:
+        """Per request, keep its accepted root path's KV rows and queue their taps."""
+        ...
+
+    def release(self, slot: int) -> None:
+        """Free `slot`'s KV rows now (the request finished or was cancelled)."""
         ...
 
 

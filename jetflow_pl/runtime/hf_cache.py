@@ -58,6 +58,31 @@ def crop_cache(cache: Cache, length: int) -> None:
             layer.values = layer.values[..., :length, :]
 
 
+def layer_tensors(cache: Cache) -> list[torch.Tensor]:
+    """`[k_0, v_0, k_1, v_1, ...]` of the initialized layers (each `[B, Hkv, S, d]`), in layer order."""
+    out: list[torch.Tensor] = []
+    for layer in _layers(cache):
+        if getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.numel():
+            out += [layer.keys, layer.values]
+    return out
+
+
+def set_layer_tensors(cache: Cache, tensors: list[torch.Tensor]) -> None:
+    """Put `tensors` (as `layer_tensors` returned them, re-laid out: other batch rows or lengths) back."""
+    it = iter(tensors)
+    for layer in _layers(cache):
+        if getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.numel():
+            layer.keys, layer.values = next(it), next(it)
+    if next(it, None) is not None:
+        raise RuntimeError("more KV tensors than initialized cache layers")
+
+
+def cache_from_layer_tensors(config, tensors: list[torch.Tensor]) -> DynamicCache:
+    """A new cache holding `tensors` (`[k_0, v_0, k_1, v_1, ...]`, one pair per layer)."""
+    pairs = list(zip(tensors[0::2], tensors[1::2], strict=True))
+    return DynamicCache(ddp_cache_data=pairs, config=config)
+
+
 def select_batch(cache: Cache, rows: torch.Tensor) -> None:
     """Keep only batch rows `rows` (e.g. drop finished sequences from a batched generation)."""
     rows = rows.to(torch.long)

@@ -1,35 +1,55 @@
 """KV stores: where a backend keeps the KV rows of the sequences it decodes, one slot per request.
 
 Every backend runs the same round on its caches (`sequence.SequenceBackend`): a forward appends `n` new
-rows after a slot's committed rows (a draft tree, a prompt chunk, or the head's new context rows), the
-store *stages* them, and `commit` then keeps either all of them (prefill, head context) or the committed
-prefix plus a chosen subset of them (the root path of a verified tree, in that order) and drops the rest.
-A forward always starts from the committed rows: rows staged by an earlier forward that was never
-committed are discarded, whatever the store. What differs between runtimes is only who holds the memory
-and who appends:
+rows after a sequence's committed rows (a draft tree, a prompt chunk, or the head's new context rows),
+the store *stages* them, and `commit` then keeps either all of them (prefill, head context) or the
+committed prefix plus a chosen subset of them (the root path of a verified tree, in that order) and drops
+the rest. A forward always starts from the committed rows: rows staged by an earlier forward that was
+never committed are discarded, whatever the store.
 
-* `TensorKVStore`: explicit `[L, 1, Hkv, P, d]` tensors, the graph contract's `past_*` in and `present_*`
+**Groups (batches).** A forward runs over the rows of one `KVGroup`: the KV of `size` sequences as one
+padded batch tensor. Row `r` holds slot `rows[r]`; its committed rows sit at positions
+`[0, lengths[r])` of a padded length `P = max(lengths)` (the rest of a shorter row is padding, never
+visible: the forward is told `lengths`, TensorRT-LLM's per-request KV lengths), and a forward appends
+`staged` rows at `[P, P + staged)` to every row. `commit(keeps)` gathers each row's committed prefix plus
+its kept rows back into a dense prefix (one gather over the whole batch), so rows of different lengths
+and acceptances stay one tensor that the next forward reads without any copy.
+
+A slot starts *alone* (its own one-row group: a prompt is prefilled on its own, in chunks) and `join`
+moves alone slots into the store's decode batch, the group every batched round runs over. `reset(slot)`
+frees a slot at once (its row is dropped from its group), so requests join and leave between rounds
+(continuous batching). The per-slot calls (`length(slot)`, `stage(n, present, slot)`,
+`commit(keep, slot)`) work on a slot whose group is that slot alone (the batch-1 backends use slot 0).
+
+What differs between runtimes is only who holds the memory and who appends:
+
+* `TensorKVStore`: explicit `[L, R, Hkv, P, d]` tensors, the graph contract's `past_*` in and `present_*`
   out (ONNX Runtime and the decode graphs run eagerly);
-* `HFCacheStore`: a transformers `DynamicCache` that the eager target appends to itself; `HeadCacheStore`:
-  the draft head's `HeadCache`, same pattern;
+* `HFCacheStore`: a transformers `DynamicCache` of batch `R` that the eager target appends to itself;
+  `HeadCacheStore`: the draft head's `HeadCache`, same pattern;
 * `BufferKVStore`: two preallocated flat buffers per slot (ping-pong): `past` views the committed rows,
   the forward writes `present` into the other buffer, `commit` swaps them (keep all) or gathers the kept
-  rows back with one `index_select(..., out=...)` (TensorRT: no allocation while decoding).
-
-Slots: a store holds `num_slots` independent sequences. The batch-1 backends use slot 0; a batched
-backend gives each request its own slot (its own KV length), and `reset(slot)` frees a finished request's
-rows at once, so requests can join and leave between rounds (continuous batching).
+  rows back with one `index_select(..., out=...)` (TensorRT: no allocation while decoding; one request per
+  group, the engines' profile is batch 1).
 """
 
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
-from jetflow_pl.runtime.hf_cache import cache_length, compact_cache, crop_cache, new_cache
+from jetflow_pl.runtime.hf_cache import (
+    cache_from_layer_tensors,
+    cache_length,
+    crop_cache,
+    layer_tensors,
+    new_cache,
+    set_layer_tensors,
+)
 
 KV = tuple[Tensor, Tensor]
 
@@ -38,9 +58,12 @@ __all__ = [
     "BufferKVStore",
     "HFCacheStore",
     "HeadCacheStore",
+    "KVGroup",
     "KVStore",
     "TensorKVStore",
 ]
+
+Keeps = Sequence[Tensor | None] | None
 
 
 @runtime_checkable
@@ -48,6 +71,14 @@ class KVStore(Protocol):
     """Committed and staged KV rows of `num_slots` sequences (see the module docstring)."""
 
     num_slots: int
+
+    def group(self, slot: int) -> KVGroup:
+        """The group holding `slot` (its own one-row group until it joins the batch)."""
+        ...
+
+    def join(self, slots: Sequence[int]) -> KVGroup:
+        """The group whose rows are exactly `slots`, moving alone slots into the decode batch."""
+        ...
 
     def length(self, slot: int = 0) -> int:
         """Committed rows of `slot` (the sequence's KV length)."""
@@ -62,8 +93,8 @@ class KVStore(Protocol):
         ...
 
     def stage(self, n: int, present: KV | None = None, slot: int = 0) -> None:
-        """A forward appended `n` rows after the committed ones; `present` is its output where the store
-        does not append by itself (`past ++ new` keys and values)."""
+        """A forward appended `n` rows after the committed ones of an alone `slot`; `present` is its output
+        where the store does not append by itself (`past ++ new` keys and values)."""
         ...
 
     def commit(self, keep: Tensor | None = None, slot: int = 0) -> None:
@@ -71,16 +102,223 @@ class KVStore(Protocol):
         ...
 
 
-class _Slots:
-    """Committed / staged row counts per slot and the checks every store shares."""
+# --------------------------------------------------------------------------------------------------
+# row bookkeeping shared by every memory layout
+# --------------------------------------------------------------------------------------------------
+
+
+def _pad_to(x: Tensor, axis: int, length: int) -> Tensor:
+    """`x` zero-padded along `axis` to `length` rows (padding is never visible; zeros keep it finite)."""
+    have = int(x.shape[axis])
+    if have == length:
+        return x
+    shape = list(x.shape)
+    shape[axis] = length - have
+    return torch.cat([x, x.new_zeros(shape)], dim=axis)
+
+
+def _gather_rows(x: Tensor, batch_axis: int, pos_axis: int, index: Tensor) -> Tensor:
+    """Per batch row `r`, positions `index[r]` of `x` along `pos_axis` (index `[R, P']`, one gather)."""
+    shape = [1] * x.dim()
+    shape[batch_axis], shape[pos_axis] = int(index.shape[0]), int(index.shape[1])
+    full = list(x.shape)
+    full[pos_axis] = int(index.shape[1])
+    return torch.gather(x, pos_axis, index.to(x.device).view(shape).expand(full))
+
+
+def _is_prefix(keep: Tensor) -> bool:
+    """`keep` is `0, 1, ..., m-1` (a chain's root path, an AR step's root)."""
+    return bool((keep == torch.arange(keep.numel())).all())
+
+
+class KVGroup:
+    """The rows of one padded batch (see the module docstring); subclasses hold the tensors.
+
+    `rows[r]` is the slot of row `r`, `lengths[r]` its committed rows, `padded` = max(lengths) the
+    padded length `P` of the committed tensors, `staged` the rows the last forward appended after `P` to
+    every row (0: none, or already committed).
+    """
+
+    batch_axis = 0
+    pos_axis = 2
+
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+        self.lengths: list[int] = []
+        self.staged = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def padded(self) -> int:
+        return max(self.lengths, default=0)
+
+    def row(self, slot: int) -> int:
+        try:
+            return self.rows.index(slot)
+        except ValueError:
+            raise KeyError(f"slot {slot} is not in this group (rows {self.rows})") from None
+
+    def lengths_tensor(self, device: torch.device | str = "cpu") -> Tensor:
+        """int32 `[R]`: the committed length of every row (the forwards' `past_lengths`)."""
+        return torch.tensor(self.lengths, dtype=torch.int32, device=device)
+
+    # ---- what a layout implements -----------------------------------------------------------------
+    def _source(self) -> list[Tensor]:
+        """The tensors holding committed (padded to P) + staged rows along `pos_axis`."""
+        raise NotImplementedError
+
+    def _replace(self, tensors: list[Tensor]) -> None:
+        """Make `tensors` (the same parts, re-laid out) the committed content; drop any staged output."""
+        raise NotImplementedError
+
+    def _committed(self) -> list[Tensor]:
+        """The committed tensors (padded length P along `pos_axis`)."""
+        raise NotImplementedError
+
+    def _adopt(self, other: KVGroup) -> None:
+        """Take `other`'s tensors as this (empty) group's own."""
+        raise NotImplementedError
+
+    def _check_stage(self, n: int) -> None:
+        if n < 0:
+            raise ValueError(f"a forward appends n >= 0 rows, got {n}")
+
+    def stage(self, n: int, present: KV | None = None) -> None:
+        """A forward appended `n` rows after `P` to every row (`present`: its output, where needed)."""
+        raise NotImplementedError
+
+    # ---- the shared operations --------------------------------------------------------------------
+    def _keeps(self, keeps: Keeps) -> list[Tensor | None]:
+        if keeps is None:
+            return [None] * self.size
+        if len(keeps) != self.size:
+            raise ValueError(f"commit needs one keep per row ({self.size}), got {len(keeps)}")
+        out: list[Tensor | None] = []
+        n = self.staged
+        for keep in keeps:
+            if keep is not None:
+                keep = torch.as_tensor(keep).to(torch.long).reshape(-1)
+                if keep.numel() and (int(keep.min()) < 0 or int(keep.max()) >= n):
+                    raise IndexError(f"commit keeps rows {keep.tolist()} but the last forward staged {n}")
+            out.append(keep)
+        return out
+
+    def _has_staged(self) -> bool:
+        return True
+
+    def commit(self, keeps: Keeps = None) -> None:
+        """Keep, per row, the committed prefix plus staged rows `keeps[r]` (None: all of them); one gather
+        re-lays the batch out dense (`P` becomes the new longest row)."""
+        if not self._has_staged():
+            raise RuntimeError("commit() without a staged forward")
+        keeps = self._keeps(keeps)
+        p, n = self.padded, self.staged
+        new = [ln + (n if k is None else int(k.numel())) for ln, k in zip(self.lengths, keeps, strict=True)]
+        source = self._source()
+        if all(ln == p for ln in self.lengths) and all(k is None or _is_prefix(k) for k in keeps):
+            # every row is full and keeps a prefix of its new rows (the same count when all rows keep
+            # everything, else R == 1): a view, nothing moves
+            width = max(new, default=0)
+            self._replace(
+                [t if t.shape[self.pos_axis] == width else t.narrow(self.pos_axis, 0, width) for t in source]
+            )
+        elif self.size == 1:  # one request: the prefix as a view, the kept rows by index
+            (keep,) = keeps
+            assert keep is not None
+            self._replace(
+                [
+                    torch.cat(
+                        [t.narrow(self.pos_axis, 0, p), t.index_select(self.pos_axis, p + keep.to(t.device))],
+                        dim=self.pos_axis,
+                    )
+                    for t in source
+                ]
+            )
+        else:
+            width = max(new, default=0)
+            index = torch.zeros(self.size, width, dtype=torch.long)
+            for r, (ln, k) in enumerate(zip(self.lengths, keeps, strict=True)):
+                tail = torch.arange(n) if k is None else k
+                src = torch.cat([torch.arange(ln), p + tail])
+                index[r, : src.numel()] = src
+            self._replace([_gather_rows(t, self.batch_axis, self.pos_axis, index) for t in source])
+        self.lengths = new
+        self.staged = 0
+
+    def merge(self, other: KVGroup) -> None:
+        """Append `other`'s rows (committed, nothing staged) to this group; `other` is left empty."""
+        if other.staged or self.staged:
+            raise RuntimeError("a group with a staged forward cannot be merged: commit it first")
+        if other.size == 0:
+            return
+        if self.size == 0:
+            self._adopt(other)
+        else:
+            mine, theirs = self._committed(), other._committed()
+            if mine or theirs:  # a head cache that has read nothing yet holds no tensors at all
+                mine = mine or [self._zero_rows(t, self.size) for t in theirs]
+                theirs = theirs or [self._zero_rows(t, other.size) for t in mine]
+                p = max(self.padded, other.padded)
+                mine = [_pad_to(t, self.pos_axis, p) for t in mine]
+                theirs = [_pad_to(t, self.pos_axis, p) for t in theirs]
+                self._replace(
+                    [
+                        torch.cat([a, b.to(a.device)], dim=self.batch_axis)
+                        for a, b in zip(mine, theirs, strict=True)
+                    ]
+                )
+        self.rows += other.rows
+        self.lengths += other.lengths
+        other.rows, other.lengths = [], []
+        other._clear()
+
+    def _zero_rows(self, like: Tensor, rows: int) -> Tensor:
+        shape = list(like.shape)
+        shape[self.batch_axis] = rows
+        return like.new_zeros(shape)
+
+    def drop(self, slot: int) -> None:
+        """Remove `slot`'s row (its memory is freed now); the rest stay dense (`P` shrinks with them)."""
+        r = self.row(slot)
+        rest = [i for i in range(self.size) if i != r]
+        lengths = [self.lengths[i] for i in rest]
+        rows = [self.rows[i] for i in rest]
+        if not rest:
+            self._clear()
+        else:
+            committed = self._committed()  # staged rows are dropped with the row
+            p = max(lengths)
+            idx = torch.tensor(rest, dtype=torch.long)
+            kept = []
+            for t in committed:
+                t = t.index_select(self.batch_axis, idx.to(t.device))
+                if t.shape[self.pos_axis] != p:
+                    t = t.narrow(self.pos_axis, 0, p).contiguous()
+                kept.append(t)
+            self._replace(kept)
+        self.rows, self.lengths, self.staged = rows, lengths, 0
+
+    def _clear(self) -> None:
+        """Drop every tensor (the group has no rows)."""
+        raise NotImplementedError
+
+
+class _Store:
+    """Slots -> groups: alone one-row groups and the decode batch (see the module docstring)."""
 
     def __init__(self, num_slots: int) -> None:
         num_slots = operator.index(num_slots)
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.num_slots = num_slots
-        self._length = [0] * num_slots
-        self._staged = [0] * num_slots
+        self._group_of: list[KVGroup | None] = [None] * num_slots
+        self.batch = self._new_group()
+
+    def _new_group(self) -> KVGroup:
+        raise NotImplementedError
 
     def _slot(self, slot: int) -> int:
         slot = operator.index(slot)
@@ -88,43 +326,126 @@ class _Slots:
             raise IndexError(f"slot {slot} is outside this store's {self.num_slots} slot(s)")
         return slot
 
+    def group(self, slot: int) -> KVGroup:
+        slot = self._slot(slot)
+        g = self._group_of[slot]
+        if g is None:
+            g = self._new_group()
+            g.rows, g.lengths = [slot], [0]
+            self._group_of[slot] = g
+        return g
+
+    def join(self, slots: Sequence[int]) -> KVGroup:
+        slots = [self._slot(s) for s in slots]
+        if not slots or len(set(slots)) != len(slots):
+            raise ValueError(f"a batch needs distinct slots, got {slots}")
+        first = self.group(slots[0])
+        if set(first.rows) == set(slots):
+            return first
+        for s in slots:
+            g = self.group(s)
+            if g is self.batch:
+                continue
+            if g.size != 1:
+                raise ValueError(f"slot {s} cannot join the batch: it is part of another group")
+            self.batch.merge(g)
+            self._group_of[s] = self.batch
+        if set(self.batch.rows) != set(slots):
+            raise ValueError(
+                f"slots {sorted(slots)} are not the decoding batch {sorted(self.batch.rows)}: "
+                "every batched round runs over the whole batch (reset finished slots first)"
+            )
+        return self.batch
+
+    def reset(self, slot: int = 0) -> None:
+        slot = self._slot(slot)
+        g = self._group_of[slot]
+        if g is not None and g is self.batch:
+            g.drop(slot)
+        self._group_of[slot] = None
+
+    def _alone(self, slot: int) -> KVGroup:
+        g = self.group(slot)
+        if g.size != 1:
+            raise RuntimeError(f"slot {slot} is one row of a batch of {g.size}: stage and commit the batch")
+        return g
+
     def length(self, slot: int = 0) -> int:
-        return self._length[self._slot(slot)]
+        g = self.group(slot)
+        return g.lengths[g.row(slot)]
 
     def staged(self, slot: int = 0) -> int:
-        return self._staged[self._slot(slot)]
+        return self.group(slot).staged
 
-    def _mark_reset(self, slot: int) -> None:
-        self._length[slot] = self._staged[slot] = 0
+    def stage(self, n: int, present: KV | None = None, slot: int = 0) -> None:
+        self._alone(slot).stage(n, present)
 
-    def _mark_staged(self, slot: int, n: int) -> None:
-        if n < 0:
-            raise ValueError(f"a forward appends n >= 0 rows, got {n}")
-        self._staged[slot] = n
-
-    def _kept(self, slot: int, keep: Tensor | None) -> tuple[int, int, Tensor | None]:
-        """(committed rows, rows kept, keep as a long tensor or None = all staged) after checking `keep`."""
-        n = self._staged[slot]
-        if keep is None:
-            return self._length[slot], n, None
-        keep = torch.as_tensor(keep).to(torch.long).reshape(-1)
-        if keep.numel() and (int(keep.min()) < 0 or int(keep.max()) >= n):
-            raise IndexError(f"commit keeps rows {keep.tolist()} but the last forward staged {n}")
-        return self._length[slot], int(keep.numel()), keep
-
-    def _mark_committed(self, slot: int, kept: int) -> None:
-        self._length[slot] += kept
-        self._staged[slot] = 0
+    def commit(self, keep: Tensor | None = None, slot: int = 0) -> None:
+        self._alone(slot).commit(None if keep is None else [keep])
 
 
-def _gather_rows(x: Tensor, past: int, keep: Tensor, axis: int) -> Tensor:
-    """`x[..., :past] ++ x[..., past + keep]` along `axis` (the prefix is not copied by index)."""
-    rows = keep.to(x.device) + past
-    return torch.cat([x.narrow(axis, 0, past), x.index_select(axis, rows)], dim=axis)
+# --------------------------------------------------------------------------------------------------
+# explicit tensors (the graph contract)
+# --------------------------------------------------------------------------------------------------
 
 
-class TensorKVStore(_Slots):
-    """KV rows as explicit `[L, 1, Hkv, P, d]` tensors, replaced by each forward's `present` output."""
+class TensorKVGroup(KVGroup):
+    """Rows as explicit `[L, R, Hkv, P, d]` tensors, replaced by each forward's `present` output."""
+
+    batch_axis = 1
+    pos_axis = 3
+
+    def __init__(self, empty: Tensor) -> None:
+        super().__init__()
+        self._empty = empty  # [L, 1, Hkv, 0, d]
+        self._kv: KV | None = None
+        self._present: KV | None = None
+
+    def past(self) -> KV:
+        """The committed rows of every row, `[L, R, Hkv, P, d]` (the graphs' `past_keys`/`past_values`)."""
+        if self._kv is None:
+            shape = list(self._empty.shape)
+            shape[1] = self.size
+            empty = self._empty.new_zeros(shape)
+            return empty, empty
+        return self._kv
+
+    def stage(self, n: int, present: KV | None = None) -> None:
+        self._check_stage(n)
+        if present is None:
+            raise ValueError("TensorKVStore.stage needs the forward's present keys and values")
+        want = self.padded + n
+        for t in present:
+            if t.shape[1] != self.size:
+                raise RuntimeError(f"present holds {t.shape[1]} batch rows, the group has {self.size}")
+            if t.shape[3] != want:
+                raise RuntimeError(f"present holds {t.shape[3]} rows, expected past + new = {want}")
+        self.staged, self._present = n, present
+
+    def _has_staged(self) -> bool:
+        return self._present is not None
+
+    def _source(self) -> list[Tensor]:
+        assert self._present is not None
+        return list(self._present)
+
+    def _committed(self) -> list[Tensor]:
+        return list(self.past())
+
+    def _replace(self, tensors: list[Tensor]) -> None:
+        self._kv = (tensors[0], tensors[1])
+        self._present = None
+
+    def _adopt(self, other: KVGroup) -> None:
+        assert isinstance(other, TensorKVGroup)
+        self._kv = other._kv
+
+    def _clear(self) -> None:
+        self._kv = self._present = None
+
+
+class TensorKVStore(_Store):
+    """KV rows as explicit `[L, R, Hkv, P, d]` tensors per group (the graph contract's caches)."""
 
     def __init__(
         self,
@@ -135,123 +456,154 @@ class TensorKVStore(_Slots):
         dtype: torch.dtype = torch.float32,
         num_slots: int = 1,
     ) -> None:
-        super().__init__(num_slots)
         self._empty = torch.zeros(num_layers, 1, num_kv_heads, 0, head_dim, dtype=dtype, device=device)
-        self._kv: list[KV] = [(self._empty, self._empty)] * self.num_slots
-        self._present: list[KV | None] = [None] * self.num_slots
+        super().__init__(num_slots)
+
+    def _new_group(self) -> TensorKVGroup:
+        return TensorKVGroup(self._empty)
 
     def past(self, slot: int = 0) -> KV:
-        """The committed rows, as the graphs' `past_keys` / `past_values` inputs."""
-        return self._kv[self._slot(slot)]
-
-    def reset(self, slot: int = 0) -> None:
-        slot = self._slot(slot)
-        self._mark_reset(slot)
-        self._kv[slot] = (self._empty, self._empty)
-        self._present[slot] = None
-
-    def stage(self, n: int, present: KV | None = None, slot: int = 0) -> None:
-        slot = self._slot(slot)
-        if present is None:
-            raise ValueError("TensorKVStore.stage needs the forward's present keys and values")
-        want = self._length[slot] + n
-        if present[0].shape[3] != want or present[1].shape[3] != want:
-            raise RuntimeError(f"present holds {present[0].shape[3]} rows, expected past + new = {want}")
-        self._mark_staged(slot, n)
-        self._present[slot] = present
-
-    def commit(self, keep: Tensor | None = None, slot: int = 0) -> None:
-        slot = self._slot(slot)
-        present = self._present[slot]
-        if present is None:
-            raise RuntimeError("commit() without a staged forward")
-        past, kept, keep = self._kept(slot, keep)
-        if keep is None:
-            self._kv[slot] = present
-        else:
-            self._kv[slot] = (
-                _gather_rows(present[0], past, keep, 3),
-                _gather_rows(present[1], past, keep, 3),
-            )
-        self._present[slot] = None
-        self._mark_committed(slot, kept)
+        """The committed rows of an alone `slot`, `[L, 1, Hkv, P, d]`."""
+        return self._alone(slot).past()
 
 
-class HFCacheStore(_Slots):
-    """A transformers cache per slot; the target appends to it inside its forward (`jetflow_pl.target`)."""
+# --------------------------------------------------------------------------------------------------
+# caches the models append to themselves (eager torch)
+# --------------------------------------------------------------------------------------------------
+
+
+class HFCacheGroup(KVGroup):
+    """A transformers cache of batch R; the target appends to it inside its forward."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self._config = config
+        self._cache = new_cache(config)
+
+    def cache(self):
+        """The cache for the next forward: the committed rows (uncommitted staged rows dropped)."""
+        if self.staged:
+            crop_cache(self._cache, self.padded)
+            self.staged = 0
+        return self._cache
+
+    def stage(self, n: int, present: KV | None = None) -> None:
+        self._check_stage(n)
+        have = cache_length(self._cache)
+        if have != self.padded + n:
+            raise RuntimeError(f"the cache holds {have} rows, expected {self.padded} + {n} new")
+        self.staged = n
+
+    def _source(self) -> list[Tensor]:
+        return layer_tensors(self._cache)
+
+    def _committed(self) -> list[Tensor]:
+        return layer_tensors(self.cache())
+
+    def _replace(self, tensors: list[Tensor]) -> None:
+        if layer_tensors(self._cache) or not tensors:
+            set_layer_tensors(self._cache, tensors)
+        else:  # the cache holds nothing yet: build it from the tensors
+            self._cache = cache_from_layer_tensors(self._config, tensors)
+
+    def _adopt(self, other: KVGroup) -> None:
+        assert isinstance(other, HFCacheGroup)
+        self._cache = other._cache
+
+    def _clear(self) -> None:
+        self._cache = new_cache(self._config)
+
+
+class HFCacheStore(_Store):
+    """A transformers cache per group; the target appends to it inside its forward (`jetflow_pl.target`)."""
 
     def __init__(self, config: Any, num_slots: int = 1) -> None:
-        super().__init__(num_slots)
         self._config = config
-        self._caches = [new_cache(config) for _ in range(self.num_slots)]
+        super().__init__(num_slots)
+
+    def _new_group(self) -> HFCacheGroup:
+        return HFCacheGroup(self._config)
 
     def cache(self, slot: int = 0):
-        """The slot's cache for the next forward: its committed rows (uncommitted staged rows dropped)."""
-        slot = self._slot(slot)
-        if self._staged[slot]:
-            crop_cache(self._caches[slot], self._length[slot])
-            self._staged[slot] = 0
-        return self._caches[slot]
-
-    def reset(self, slot: int = 0) -> None:
-        slot = self._slot(slot)
-        self._mark_reset(slot)
-        self._caches[slot] = new_cache(self._config)
-
-    def stage(self, n: int, present: KV | None = None, slot: int = 0) -> None:
-        slot = self._slot(slot)
-        have = cache_length(self._caches[slot])
-        if have != self._length[slot] + n:
-            raise RuntimeError(f"the cache holds {have} rows, expected {self._length[slot]} + {n} new")
-        self._mark_staged(slot, n)
-
-    def commit(self, keep: Tensor | None = None, slot: int = 0) -> None:
-        slot = self._slot(slot)
-        past, kept, keep = self._kept(slot, keep)
-        if keep is not None:
-            compact_cache(self._caches[slot], past, keep)  # checks the resulting length itself
-        self._mark_committed(slot, kept)
+        """The cache of an alone `slot` for the next forward (uncommitted staged rows dropped)."""
+        g = self._alone(slot)
+        assert isinstance(g, HFCacheGroup)
+        return g.cache()
 
 
-class HeadCacheStore(_Slots):
-    """The draft head's context K/V (`jetflow_pl.head.HeadCache`) per slot; the head appends to it."""
+class HeadCacheGroup(KVGroup):
+    """The draft head's context K/V (`jetflow_pl.head.HeadCache`, layers `[R, Hkv, P, d]`); the head
+    appends to it."""
+
+    def __init__(self, head: Any) -> None:
+        super().__init__()
+        self._head = head
+        self._cache = head.new_cache()
+
+    def cache(self):
+        """The `HeadCache` for the next forward (uncommitted staged rows dropped)."""
+        if self.staged:
+            self._cache.crop(self.padded)
+            self.staged = 0
+        return self._cache
+
+    def stage(self, n: int, present: KV | None = None) -> None:
+        self._check_stage(n)
+        have = self._cache.length
+        if have != self.padded + n:
+            raise RuntimeError(f"the head cache holds {have} rows, expected {self.padded} + {n} new")
+        self.staged = n
+
+    def _parts(self, cache) -> list[Tensor]:
+        out: list[Tensor] = []
+        for layer in range(cache.num_layers):
+            k, v = cache.get(layer)
+            if k is not None:
+                out += [k, v]
+        return out
+
+    def _source(self) -> list[Tensor]:
+        return self._parts(self._cache)
+
+    def _committed(self) -> list[Tensor]:
+        return self._parts(self.cache())
+
+    def _replace(self, tensors: list[Tensor]) -> None:
+        cache = self._cache
+        it = iter(tensors)
+        every = len(tensors) == 2 * cache.num_layers  # (a cache that held nothing gets every layer)
+        for layer in range(cache.num_layers):
+            if every or cache.keys[layer] is not None:
+                cache.keys[layer], cache.values[layer] = next(it), next(it)
+
+    def _adopt(self, other: KVGroup) -> None:
+        assert isinstance(other, HeadCacheGroup)
+        self._cache = other._cache
+
+    def _clear(self) -> None:
+        self._cache = self._head.new_cache()
+
+
+class HeadCacheStore(_Store):
+    """The draft head's context K/V (`jetflow_pl.head.HeadCache`) per group; the head appends to it."""
 
     def __init__(self, head: Any, num_slots: int = 1) -> None:
-        super().__init__(num_slots)
         self._head = head
-        self._caches = [head.new_cache() for _ in range(self.num_slots)]
+        super().__init__(num_slots)
+
+    def _new_group(self) -> HeadCacheGroup:
+        return HeadCacheGroup(self._head)
 
     def cache(self, slot: int = 0):
-        """The slot's `HeadCache` for the next forward (uncommitted staged rows dropped)."""
-        slot = self._slot(slot)
-        if self._staged[slot]:
-            self._caches[slot].crop(self._length[slot])
-            self._staged[slot] = 0
-        return self._caches[slot]
+        """The `HeadCache` of an alone `slot` for the next forward (uncommitted staged rows dropped)."""
+        g = self._alone(slot)
+        assert isinstance(g, HeadCacheGroup)
+        return g.cache()
 
-    def reset(self, slot: int = 0) -> None:
-        slot = self._slot(slot)
-        self._mark_reset(slot)
-        self._caches[slot] = self._head.new_cache()
 
-    def stage(self, n: int, present: KV | None = None, slot: int = 0) -> None:
-        slot = self._slot(slot)
-        have = self._caches[slot].length
-        if have != self._length[slot] + n:
-            raise RuntimeError(f"the head cache holds {have} rows, expected {self._length[slot]} + {n} new")
-        self._mark_staged(slot, n)
-
-    def commit(self, keep: Tensor | None = None, slot: int = 0) -> None:
-        slot = self._slot(slot)
-        past, kept, keep = self._kept(slot, keep)
-        if keep is not None:
-            cache = self._caches[slot]
-            for layer in range(cache.num_layers):
-                k, v = cache.get(layer)
-                if k is not None:
-                    cache.keys[layer] = _gather_rows(k, past, keep, 2)
-                    cache.values[layer] = _gather_rows(v, past, keep, 2)
-        self._mark_committed(slot, kept)
+# --------------------------------------------------------------------------------------------------
+# preallocated buffers (TensorRT)
+# --------------------------------------------------------------------------------------------------
 
 
 def flat_view(buffer: Tensor, shape: tuple[int, ...]) -> Tensor:
@@ -268,7 +620,63 @@ def flat_view(buffer: Tensor, shape: tuple[int, ...]) -> Tensor:
     return buffer[:numel].view(shape)
 
 
-class BufferKVStore(_Slots):
+class BufferKVGroup(KVGroup):
+    """One slot's ping-pong buffers (`BufferKVStore`): a group of exactly one row."""
+
+    batch_axis = 1
+    pos_axis = 3
+
+    def __init__(self, store: BufferKVStore, slot: int) -> None:
+        super().__init__()
+        self._store = store
+        self._slot = slot
+        self.rows, self.lengths = [slot], [0]
+
+    def past(self) -> KV:
+        """Views of the committed rows (bind as `past_keys` / `past_values`)."""
+        return self._store._views(self._slot, 0, self.lengths[0])
+
+    def present(self, n: int) -> KV:
+        """Views for the forward's `present_*` output: committed + `n` rows, in the other buffer."""
+        rows = self.lengths[0] + n
+        if rows > self._store.capacity:
+            raise ValueError(f"{rows} KV rows exceed the preallocated capacity of {self._store.capacity}")
+        return self._store._views(self._slot, 1, rows)
+
+    def stage(self, n: int, present: KV | None = None) -> None:
+        self._check_stage(n)
+        if present is not None and present[0].data_ptr() != self._store._bufs[self._slot][1][0].data_ptr():
+            raise RuntimeError("present was not written into this store's receiving buffer (bind present(n))")
+        self.staged = n
+
+    def commit(self, keeps: Keeps = None) -> None:
+        (keep,) = self._keeps(keeps)
+        past, staged = self.lengths[0], self.staged
+        bufs = self._store._bufs[self._slot]
+        if keep is None:
+            bufs.reverse()  # the present becomes the committed cache: swap, no copy
+            kept = staged
+        else:
+            kept = int(keep.numel())
+            rows = torch.cat([self._store._rows[:past], keep.to(self._store._rows.device) + past])
+            present = self._store._views(self._slot, 1, past + staged)
+            compacted = self._store._views(self._slot, 0, past + kept)
+            for src, dst in zip(present, compacted, strict=True):
+                torch.index_select(src, 3, rows, out=dst)
+        self.lengths = [past + kept]
+        self.staged = 0
+
+    def merge(self, other: KVGroup) -> None:
+        raise ValueError(
+            "the TensorRT backend's buffers hold one request per forward (its profile is batch 1)"
+        )
+
+    def drop(self, slot: int) -> None:
+        self.row(slot)
+        self.lengths, self.staged = [0], 0
+
+
+class BufferKVStore(_Store):
     """Preallocated ping-pong buffers per slot, `capacity` rows each: no allocation while decoding.
 
     The graph contract takes the cache as `past` `[L, 1, Hkv, P, d]` and returns `present`
@@ -276,7 +684,8 @@ class BufferKVStore(_Slots):
     runtime binds as the forward's output. Because `P` is not the outermost axis, a cache of another
     length has another memory layout, so keeping a subset gathers the whole cache once per round (as the
     graph's own concat does); an in-place append would need a contract with fixed-capacity caches
-    written at offset `P`, which the exported graphs do not have.
+    written at offset `P`, which the exported graphs do not have. Each slot is its own group: the slots
+    cannot join one batch.
     """
 
     def __init__(
@@ -289,7 +698,6 @@ class BufferKVStore(_Slots):
         device: torch.device | str,
         num_slots: int = 1,
     ) -> None:
-        super().__init__(num_slots)
         self.capacity = operator.index(capacity)
         self._lead = (int(num_layers), 1, int(num_kv_heads))
         self._d = int(head_dim)
@@ -297,9 +705,28 @@ class BufferKVStore(_Slots):
         # [slot][buffer][keys/values]: buffer 0 holds the committed rows, buffer 1 receives `present`
         self._bufs = [
             [[torch.empty(numel, dtype=dtype, device=device) for _ in range(2)] for _ in range(2)]
-            for _ in range(self.num_slots)
+            for _ in range(num_slots)
         ]
         self._rows = torch.arange(self.capacity, dtype=torch.int64, device=device)
+        super().__init__(num_slots)
+
+    def _new_group(self) -> KVGroup:
+        return KVGroup()  # the (always empty) decode batch: slots never join it
+
+    def join(self, slots: Sequence[int]) -> KVGroup:
+        if len(slots) != 1:
+            raise ValueError(
+                f"the TensorRT backend's buffers hold one request per forward (its profile is batch 1), "
+                f"got a batch of {len(slots)}"
+            )
+        return self.group(slots[0])
+
+    def group(self, slot: int) -> KVGroup:
+        slot = self._slot(slot)
+        g = self._group_of[slot]
+        if g is None:
+            g = self._group_of[slot] = BufferKVGroup(self, slot)
+        return g
 
     def _views(self, slot: int, buffer: int, rows: int) -> KV:
         shape = (*self._lead, rows, self._d)
@@ -308,35 +735,15 @@ class BufferKVStore(_Slots):
 
     def past(self, slot: int = 0) -> KV:
         """Views of the committed rows (bind as `past_keys` / `past_values`)."""
-        slot = self._slot(slot)
-        return self._views(slot, 0, self._length[slot])
+        g = self.group(slot)
+        assert isinstance(g, BufferKVGroup)
+        return g.past()
 
     def present(self, n: int, slot: int = 0) -> KV:
         """Views for the forward's `present_*` output: committed + `n` rows, in the other buffer."""
-        slot = self._slot(slot)
-        rows = self._length[slot] + n
-        if rows > self.capacity:
-            raise ValueError(f"{rows} KV rows exceed the preallocated capacity of {self.capacity}")
-        return self._views(slot, 1, rows)
+        g = self.group(slot)
+        assert isinstance(g, BufferKVGroup)
+        return g.present(n)
 
     def reset(self, slot: int = 0) -> None:
-        self._mark_reset(self._slot(slot))
-
-    def stage(self, n: int, present: KV | None = None, slot: int = 0) -> None:
-        slot = self._slot(slot)
-        if present is not None and present[0].data_ptr() != self._bufs[slot][1][0].data_ptr():
-            raise RuntimeError("present was not written into this store's receiving buffer (bind present(n))")
-        self._mark_staged(slot, n)
-
-    def commit(self, keep: Tensor | None = None, slot: int = 0) -> None:
-        slot = self._slot(slot)
-        past, kept, keep = self._kept(slot, keep)
-        if keep is None:
-            self._bufs[slot].reverse()  # the present becomes the committed cache: swap, no copy
-        else:
-            rows = torch.cat([self._rows[:past], keep.to(self._rows.device) + past])
-            present = self._views(slot, 1, past + self._staged[slot])
-            compacted = self._views(slot, 0, past + kept)
-            for src, dst in zip(present, compacted, strict=True):
-                torch.index_select(src, 3, rows, out=dst)
-        self._mark_committed(slot, kept)
+        self.group(slot).drop(slot)

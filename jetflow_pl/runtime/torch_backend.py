@@ -1,9 +1,12 @@
 """The PyTorch backend: the target wrapper and the draft head, run eagerly on any torch device.
 
-Bookkeeping (KV staging and compaction, queued taps, the order of the calls) is `SequenceBackend`'s; the
-KV stores are the ones these models append to themselves: the target's transformers cache
-(`HFCacheStore`) and the head's context cache (`HeadCacheStore`). What is torch-specific is the two
-forwards (an additive 4D tree mask for the HF target, the head's own in-block mask) and `refine`.
+Bookkeeping (KV staging and compaction, queued taps, the order of the calls, batching) is
+`SequenceBackend`'s; the KV stores are the ones these models append to themselves: the target's
+transformers cache (`HFCacheStore`) and the head's context cache (`HeadCacheStore`), a batch of requests
+being one cache of batch `R`. What is torch-specific is the two forwards and `refine`: the HF target runs a
+batch under an additive 4D mask `[R, 1, N, P + N]` that encodes, per request, its valid KV prefix (its
+own length; the padding up to the longest request is hidden), its tree (ancestors-or-self) and its
+padding rows; the head under a boolean mask over its cache, its new context rows and the draft block.
 """
 
 from __future__ import annotations
@@ -12,10 +15,30 @@ import torch
 from torch import Tensor
 
 from jetflow_pl.head import DraftHead
-from jetflow_pl.runtime.kv_store import HeadCacheStore, HFCacheStore
-from jetflow_pl.runtime.sequence import SequenceBackend
+from jetflow_pl.runtime.backend import DEFAULT_MAX_BATCH
+from jetflow_pl.runtime.kv_store import HeadCacheStore, HFCacheStore, KVGroup
+from jetflow_pl.runtime.sequence import HeadStep, SequenceBackend, TargetStep
 from jetflow_pl.target import TargetModel
 from jetflow_pl.tree import DraftTree
+
+
+def tree_batch_visibility(step: TargetStep, padded: int) -> Tensor:
+    """bool `[R, N, P + N]`: what each new row of each request sees (prefix rows `[0, past_lengths[r])`,
+    its tree's ancestors-or-self). A padding row (past a request's tree) sees itself only, so no row is
+    fully masked."""
+    n = step.num_rows
+    prefix = torch.arange(padded).unsqueeze(0) < step.past_lengths.to(torch.long).unsqueeze(1)  # [R, P]
+    trees = step.trees if step.trees is not None else [DraftTree.chain(step.ids[0].cpu())]
+    tree = torch.eye(n, dtype=torch.bool).repeat(len(trees), 1, 1)
+    for r, t in enumerate(trees):
+        tree[r, : t.num_nodes, : t.num_nodes] = t.ancestor_mask()
+    return torch.cat([prefix.unsqueeze(1).expand(-1, n, -1), tree], dim=-1)
+
+
+def additive_mask(visible: Tensor, dtype: torch.dtype) -> Tensor:
+    """HF-style 4D additive mask `[R, 1, N, S]`: 0 where visible, `finfo(dtype).min` elsewhere."""
+    out = torch.full(visible.shape, torch.finfo(dtype).min, dtype=dtype, device=visible.device)
+    return out.masked_fill_(visible, 0.0).unsqueeze(1)
 
 
 class TorchBackend(SequenceBackend):
@@ -27,7 +50,9 @@ class TorchBackend(SequenceBackend):
     projects them into the head's own K/V cache once, so each position is projected exactly once.
     """
 
-    def __init__(self, target: TargetModel, head: DraftHead | None = None) -> None:
+    def __init__(
+        self, target: TargetModel, head: DraftHead | None = None, max_batch: int = DEFAULT_MAX_BATCH
+    ) -> None:
         self.target = target
         self.head = head
         head_kv = None
@@ -38,8 +63,8 @@ class TorchBackend(SequenceBackend):
                 target.set_taps(layer_ids)
             self._mask_token_id = int(head.config.dflash_config["mask_token_id"])
             head.eval()
-            head_kv = HeadCacheStore(head)
-        super().__init__(HFCacheStore(target.config), head_kv, device=target.device)
+            head_kv = HeadCacheStore(head, num_slots=max_batch)
+        super().__init__(HFCacheStore(target.config, num_slots=max_batch), head_kv, device=target.device)
 
     # ------------------------------------------------------------------ what the runtime states
     @property
@@ -63,31 +88,53 @@ class TorchBackend(SequenceBackend):
         return self.target.device
 
     # ------------------------------------------------------------------ the two forwards
-    def _forward_target(self, ids: Tensor, positions: Tensor, tree: DraftTree | None, last_only: bool):
-        cache = self.kv.cache()
-        ids = ids.to(self.device, torch.long).reshape(1, -1)
-        if tree is None:  # a chain after the cache: the model's own causal mask and positions
-            out = self.target(ids, cache=cache, logits_positions="last" if last_only else "all")
+    def _forward_target(self, step: TargetStep, group: KVGroup):
+        cache = group.cache()  # type: ignore[attr-defined]
+        ids = step.ids.to(self.device, torch.long)
+        logits_at = "last" if step.last_only else "all"
+        if step.chain and group.size == 1:  # a chain after the cache: the model's own causal mask
+            out = self.target(ids, cache=cache, logits_positions=logits_at)
         else:
+            if group.size == 1 and step.trees is not None:  # one tree, its prefix whole: as before batching
+                mask = step.trees[0].additive_mask(group.padded, self.target.dtype).to(self.device)
+            else:
+                visible = tree_batch_visibility(step, group.padded).to(self.device)
+                mask = additive_mask(visible, self.target.dtype)
             out = self.target(
                 ids,
-                position_ids=positions.to(self.device).unsqueeze(0),
-                attention_mask=tree.additive_mask(self.past_len, self.target.dtype).to(self.device),
+                position_ids=step.positions.to(self.device),
+                attention_mask=mask,
                 cache=cache,
+                logits_positions=logits_at,
             )
-        return out.logits[0], out.taps, None
+        return out.logits, out.taps, None
 
-    def _forward_head(self, block_ids: Tensor, block_positions: Tensor, context: tuple[Tensor, Tensor]):
-        taps, positions = context
+    def _forward_head(self, step: HeadStep, group: KVGroup):
+        cache = group.cache()  # type: ignore[attr-defined]
+        mask = None if step.dense else self._head_mask(step, group.padded)
         hidden = self.head(
-            self.target.embed_tokens(block_ids),
-            block_positions,
-            context=taps,
-            context_positions=positions,
-            cache=self.head_kv.cache(),
+            self.target.embed_tokens(step.block_ids),
+            step.block_positions,
+            context=step.context_taps,
+            context_positions=step.context_positions,
+            cache=cache,
+            attn_mask=mask,
         )
-        logits = self.target.lm_logits(hidden[0, 1:])
+        logits = self.target.lm_logits(hidden[:, 1:])
         return torch.log_softmax(logits.float(), dim=-1), None
+
+    def _head_mask(self, step: HeadStep, padded: int) -> Tensor:
+        """bool `[R, Q, P + T + Q]`: a request's cache rows and new context rows (not the padding of
+        either), then the draft block under the head's in-block mode."""
+        r, q = step.block_ids.shape
+        t = int(step.context_taps.shape[1])
+        cache = torch.arange(padded).unsqueeze(0) < step.past_lengths.to(torch.long).unsqueeze(1)
+        context = torch.arange(t).unsqueeze(0) < step.context_lengths.to(torch.long).unsqueeze(1)
+        block = torch.ones(q, q, dtype=torch.bool)
+        if self.head.config.causal_head:
+            block = block.tril()
+        rows = torch.cat([cache, context], dim=1).unsqueeze(1).expand(r, q, padded + t)
+        return torch.cat([rows, block.expand(r, q, q)], dim=-1).to(self.device)
 
     # ------------------------------------------------------------------ torch only
     @torch.no_grad()
