@@ -101,7 +101,11 @@ class SingleSequence:
         self.backend.commit(list(accepted[0]))
 
     def release(self, slot: int) -> None:
-        pass  # the next prefill resets the one sequence
+        """Free the sequence's KV rows now where the backend can (a `SequenceBackend`); a plain
+        `DecodeBackend` is reset by its next prefill."""
+        release = getattr(self.backend, "release", None)
+        if release is not None:
+            release(0)
 
 
 class _Batched:

@@ -17,9 +17,8 @@ import torch
 from torch import Tensor
 
 from jetflow_pl.masks import block_mask, chain_mask
-from jetflow_pl.runtime.kv_store import KVStore, TensorKVStore
-from jetflow_pl.runtime.sequence import SequenceBackend, TapQueue, topk_to_dense
-from jetflow_pl.tree import DraftTree
+from jetflow_pl.runtime.kv_store import KVGroup, KVStore, TensorKVStore
+from jetflow_pl.runtime.sequence import HeadStep, SequenceBackend, TapQueue, TargetStep, topk_to_dense
 
 
 class GraphBackend(SequenceBackend):
@@ -82,37 +81,47 @@ class GraphBackend(SequenceBackend):
         return int(self.config["topk"])
 
     # ------------------------------------------------------------------ the two forwards
-    def _forward_target(self, ids: Tensor, positions: Tensor, tree: DraftTree | None, last_only: bool):
-        n = int(ids.numel())
-        mask = tree.packed_mask() if tree is not None else chain_mask(n)
-        past_keys, past_values = self.kv.past()
+    @staticmethod
+    def _one_request(group: KVGroup) -> None:
+        """The decode graphs take one request per forward (`[1, ...]` inputs): a batch is refused."""
+        if group.size != 1:
+            raise RuntimeError(
+                f"the decode graphs run one request per forward, got a batch of {group.size} "
+                "(this backend has max_batch 1)"
+            )
+
+    def _forward_target(self, step: TargetStep, group: KVGroup):
+        self._one_request(group)
+        n = step.num_rows
+        mask = step.trees[0].packed_mask() if step.trees is not None else chain_mask(n)
+        past_keys, past_values = group.past()  # type: ignore[attr-defined]
         logits, taps, keys, values = self.run_target(
             {
-                "input_ids": ids.reshape(1, -1).to(self.device, torch.long),
-                "position_ids": positions.reshape(1, -1).to(self.device, torch.long),
+                "input_ids": step.ids.reshape(1, -1).to(self.device, torch.long),
+                "position_ids": step.positions.reshape(1, -1).to(self.device, torch.long),
                 "tree_mask": mask.to(self.device, torch.int32),
                 "past_keys": past_keys,
                 "past_values": past_values,
             }
         )
-        return self.host_logits(logits[0, -1:] if last_only else logits[0]), taps, (keys, values)
+        return self.host_logits(logits[:, -1:] if step.last_only else logits), taps, (keys, values)
 
-    def _forward_head(self, block_ids: Tensor, block_positions: Tensor, context: tuple[Tensor, Tensor]):
-        taps, positions = context
-        past_keys, past_values = self.head_kv.past()
+    def _forward_head(self, step: HeadStep, group: KVGroup):
+        self._one_request(group)
+        past_keys, past_values = group.past()  # type: ignore[attr-defined]
         values, ids, keys, vals = self.run_head(
             {
-                "context_taps": taps,
-                "context_positions": positions,
-                "block_ids": block_ids,
-                "block_positions": block_positions,
+                "context_taps": step.context_taps,
+                "context_positions": step.context_positions,
+                "block_ids": step.block_ids,
+                "block_positions": step.block_positions,
                 "block_mask": self._block_mask,
                 "past_keys": past_keys,
                 "past_values": past_values,
             }
         )
         # rows 1.. of the block are depths 1..B-1 (offset 0 predicts nothing)
-        return topk_to_dense(values[0, 1:], ids[0, 1:], self.vocab_size), (keys, vals)
+        return topk_to_dense(values[:, 1:], ids[:, 1:], self.vocab_size), (keys, vals)
 
 
 class TorchGraphBackend(GraphBackend):
