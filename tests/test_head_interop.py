@@ -87,3 +87,27 @@ def test_transformers4_style_config_loads_with_its_base(tmp_path):
     inv = head.rotary_emb.inv_freq.double()
     torch.testing.assert_close(inv, expected_inv_freq(1e6, 16), rtol=1e-6, atol=0)
     assert not math.isclose(inv[1].item(), expected_inv_freq(1e4, 16)[1].item(), rel_tol=1e-3)
+
+
+def test_a_head_stored_in_bfloat16_runs_in_the_targets_dtype(tmp_path):
+    """Heads ship in bfloat16 (half the bytes); paired with a float32 target they must run in float32 and
+    stay lossless. Without the cast the head's bf16 output would meet the target's fp32 lm_head and fail."""
+    from transformers import AutoTokenizer
+
+    from data_gen.toy import SMALL_HEAD_DIR, SMALL_TARGET_DIR, heldout_prompts
+    from data_gen.toy.tokenizer import prompt_ids
+    from jetflow_pl.checkpoints import load_draft_head
+    from jetflow_pl.decoding import ARGenerator, SpeculativeGenerator
+    from jetflow_pl.runtime.torch_backend import TorchBackend
+    from jetflow_pl.target import TargetModel
+
+    load_draft_head(SMALL_HEAD_DIR).to(torch.bfloat16).save_pretrained(tmp_path)
+    head = load_draft_head(tmp_path)
+    assert next(head.parameters()).dtype == torch.bfloat16  # stored and loaded as bf16
+    target = TargetModel.from_pretrained(SMALL_TARGET_DIR, head.config.target_layer_ids)
+    ids = prompt_ids(AutoTokenizer.from_pretrained(SMALL_TARGET_DIR), heldout_prompts("math", 1)[0]["prompt"])
+    spec = SpeculativeGenerator(TorchBackend(target, head), budget=16, width=4, eos_token_id=1)
+    assert next(head.parameters()).dtype == target.dtype == torch.float32
+    out = spec.generate(ids, 32)
+    assert out.tokens == ARGenerator(TorchBackend(target), eos_token_id=1).generate(ids, 32).tokens
+    assert out.tau > 1.5  # the bf16-rounded weights still draft (the toy head's tau is ~3 at budget 16)

@@ -248,6 +248,17 @@ class DraftHead(PreTrainedModel):
         """Raw target taps `[..., n*Ht]` -> fused context `[..., H]` (`hidden_norm(fc(taps))`)."""
         return self.hidden_norm(self.fc(taps.to(self.fc.weight.dtype)))
 
+    def match_dtype(self, dtype: torch.dtype) -> DraftHead:
+        """Run in the target's `dtype` (in place; returns self).
+
+        The head feeds the target's lm_head and reads its taps, so both sides compute in one dtype; a
+        head *stored* in bfloat16 (half the size, e.g. the shipped SmolLM2 head) is cast on load by every
+        runtime that pairs it with a float32 target."""
+        param = next(self.parameters(), None)
+        if param is not None and param.dtype != dtype:
+            self.to(dtype=dtype)
+        return self
+
     def check_compatible(self, target_config: Any) -> None:
         """Raise one ValueError (naming every offending field) if this head cannot run on `target_config`."""
         cfg = self.config

@@ -129,6 +129,7 @@ class DraftHeadGraph(nn.Module):
     def __init__(self, head: DraftHead, target: TargetModel, topk: int, variant: str = "plugin") -> None:
         super().__init__()
         head.check_compatible(target.config)
+        head.match_dtype(target.dtype)
         if topk < 1 or topk > target.vocab_size:
             raise ValueError(f"topk must be in [1, {target.vocab_size}], got {topk}")
         self.head = head

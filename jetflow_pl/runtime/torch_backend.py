@@ -58,6 +58,7 @@ class TorchBackend(SequenceBackend):
         head_kv = None
         if head is not None:
             head.check_compatible(target.config)
+            head.match_dtype(target.dtype)
             layer_ids = list(head.config.dflash_config["target_layer_ids"])
             if list(target.tap_layer_ids) != layer_ids:
                 target.set_taps(layer_ids)
