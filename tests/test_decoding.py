@@ -247,6 +247,10 @@ def test_reused_backend_gives_the_same_result_as_a_fresh_one(tiny):
     head = make_head(target, causal=True, seed=3)
     first, second = random_prompts(2, seed=11)
     reused = TorchBackend(target, head)
+    # the head's context rows when a request finishes (a finished request's KV is freed right after)
+    at_release: list[int] = []
+    release = reused.release
+    reused.release = lambda slot: (at_release.append(reused.head_kv.length(slot)), release(slot))[-1]
     SpeculativeGenerator(reused, budget=16, width=2).generate(first, 12)  # leaves taps queued
     got = SpeculativeGenerator(reused, budget=16, width=2).generate(second, 12)
     want = SpeculativeGenerator(TorchBackend(target, head), budget=16, width=2).generate(second, 12)
@@ -254,4 +258,5 @@ def test_reused_backend_gives_the_same_result_as_a_fresh_one(tiny):
     assert got.accept_lengths == want.accept_lengths
     # head context rows: the prompt plus every committed row except the last round's (still queued);
     # a stale queue from the first prompt would add rows here
-    assert reused.head_kv.length() == len(second) + sum(got.accept_lengths[:-1])
+    assert at_release[-1] == len(second) + sum(got.accept_lengths[:-1])
+    assert reused.head_kv.length() == 0 and len(reused.taps) == 0  # and the finished request was freed
