@@ -288,6 +288,8 @@ def create_app(
         want_ids = body.return_token_ids
 
         def chunk(delta: str, finish: str | None = None, ids: list[int] | None = None) -> str:
+            if want_ids and ids is None:
+                ids = []  # with return_token_ids every content chunk carries the field
             if chat:
                 d = {"content": delta} if delta or finish is None else {}
                 return _sse(P.chat_chunk(rid, model, d, finish, ids))
@@ -301,9 +303,10 @@ def create_app(
             while True:
                 event = await ticket.events.get()
                 if event[0] == "tokens":
+                    seen = len(text.tokens)
                     delta = text.push(event[1])
-                    if delta or want_ids:
-                        yield chunk(delta, ids=list(event[1]) if want_ids else None)
+                    if delta or want_ids:  # the ids kept by `push` (none past a stop string)
+                        yield chunk(delta, ids=text.tokens[seen:] if want_ids else None)
                     if text.stopped:
                         driver.cancel(ticket, "stop")
                         break
@@ -311,7 +314,7 @@ def create_app(
                     reason = event[1]
                     tail = text.finish()
                     if tail:
-                        yield chunk(tail, ids=[] if want_ids else None)
+                        yield chunk(tail)
                     break
                 else:  # the status line is sent: the error goes in the stream, as OpenAI-compatible servers do
                     err = _map_error(event[1])

@@ -70,6 +70,7 @@ class DriverStats:
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     requests: dict[str, int] = field(default_factory=dict)  # outcome -> count
+    submitted: int = 0  # submissions the driver has taken from its inbox
     tokens_generated: int = 0
     rounds: int = 0  # request-rounds: one per request per decode round
     committed_in_rounds: int = 0  # tokens those rounds committed (tau = this / rounds)
@@ -203,6 +204,8 @@ class EngineDriver:
         kind = cmd[0]
         if kind == "submit":
             _, ticket, prompt, max_new, sampling, stop_ids = cmd
+            with self.stats.lock:
+                self.stats.submitted += 1
             try:
                 ticket.handle = self.engine.submit(prompt, max_new, sampling, stop_ids=stop_ids)
             except Exception as err:  # EngineFull, UserInputError: the handler maps them to a status

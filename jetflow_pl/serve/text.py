@@ -20,8 +20,9 @@ class TextStream:
     """Incremental detokenization of one request with OpenAI `stop` semantics.
 
     `push(tokens)` returns the text delta that is safe to send; `stopped` tells whether a stop string
-    was found (then `text` ends just before it); `finish()` releases what was held back once the request
-    has ended for another reason.
+    was found (then `text` ends just before it and `tokens` ends with the token that completed it: the
+    tokens drawn after it are dropped); `finish()` releases what was held back once the request has
+    ended for another reason.
     """
 
     def __init__(self, tokenizer: Any, stop: Sequence[str] = ()) -> None:
@@ -34,6 +35,10 @@ class TextStream:
 
     def _decode(self) -> str:
         return self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+
+    def _find_stop(self, text: str) -> int:
+        """Where the earliest stop string starts in `text` (-1: none)."""
+        return min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
 
     def _held_back(self, text: str) -> int:
         """Characters at the end of `text` that may still change or start a stop string."""
@@ -51,12 +56,18 @@ class TextStream:
         """Add the request's new tokens; return the new text that can be sent now."""
         if self.stopped:
             return ""
+        before = len(self.tokens)
         self.tokens.extend(int(t) for t in tokens)
         text = self._decode()
-        cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        cut = self._find_stop(text)
         if cut >= 0:
             self.stopped = True
             self.text = text[:cut]
+            # keep the tokens up to the one that completed the stop string (what usage counts)
+            for k in range(before + 1, len(self.tokens)):
+                if self._find_stop(self.tokenizer.decode(self.tokens[:k], skip_special_tokens=True)) >= 0:
+                    del self.tokens[k:]
+                    break
             return self._release(len(self.text))
         self.text = text
         return self._release(len(text) - self._held_back(text))
