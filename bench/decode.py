@@ -43,9 +43,10 @@ def load_target(target_dir: Path):
     return tokenizer, TargetModel.from_pretrained(target_dir)
 
 
-def domain_prompts(tokenizer, domain: str, n: int) -> list[list[int]]:
-    """Chat-formatted token ids of the first `n` held-out prompts of a toy domain (deterministic)."""
-    return [prompt_ids(tokenizer, r["prompt"]) for r in heldout_prompts(domain, n)]
+def domain_prompts(tokenizer, domain: str, n: int, first: int = 0) -> list[list[int]]:
+    """Chat-formatted token ids of held-out prompts `first .. first + n - 1` of a toy domain (deterministic;
+    `first` keeps an evaluation apart from prompts a training run selected its checkpoint on)."""
+    return [prompt_ids(tokenizer, r["prompt"]) for r in heldout_prompts(domain, first + n)[first:]]
 
 
 def run_prompts(gen: SpeculativeGenerator, prompts: Sequence[list[int]], max_new_tokens: int):
@@ -98,6 +99,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--refine-factor", type=int, default=0, help="branch-conditioned refinement (0 = off)")
     p.add_argument("--domains", nargs="+", default=list(DOMAINS), choices=DOMAINS)
     p.add_argument("--n-prompts", type=int, default=8)
+    p.add_argument(
+        "--first-prompt", type=int, default=0, help="skip held-out prompts before this index (e.g. 20)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--backend", choices=BACKEND_KINDS, default="torch", help="AR runs on the same kind")
@@ -126,10 +130,11 @@ def main(argv: list[str] | None = None) -> dict:
         "head": str(args.head) if args.head else "untrained (random init)",
         "width": args.width,
         "refine_factor": args.refine_factor,
+        "prompts": {"first": args.first_prompt, "n": args.n_prompts, "max_new_tokens": args.max_new_tokens},
         "domains": {},
     }
     for domain in args.domains:
-        prompts = domain_prompts(tokenizer, domain, args.n_prompts)
+        prompts = domain_prompts(tokenizer, domain, args.n_prompts, args.first_prompt)
         ar_runs = run_prompts(ar, prompts, args.max_new_tokens)
         ar_tps = tokens_per_s(ar_runs)
         row = {"ar": {"decode_tokens_per_s": ar_tps}, "speculative": {}}

@@ -69,6 +69,19 @@ EXPERIMENTS: dict[str, tuple[str, dict]] = {
             "model.init_args.lr": 0.003,
         },
     ),
+    "l2_lr3e-3": (
+        "2 layers, default taps [1, 27], random init, lr 3e-3",
+        {
+            "model.init_args.lr": 0.003,
+        },
+    ),
+    "l2_b8": (
+        "2 layers, default taps, block_size 8 with 2x the anchors (the same loss rows per step)",
+        {
+            "model.init_args.block_size": 8,
+            "model.init_args.num_anchors": 32,
+        },
+    ),
     "l2_slice_lr3e-4": (
         "l2_slice at lr 3e-4",
         {
@@ -88,11 +101,19 @@ def set_dotted(cfg: dict, key: str, value) -> None:
     node[parts[-1]] = value
 
 
+#: every experiment starts from these (the DESIGN defaults: default taps, random init), whatever the base
+#: config ships with (the committed SmolLM2 config uses the study's winner, l2_slice)
+STUDY_DEFAULTS: dict = {
+    "model.init_args.target_layer_ids": None,
+    "model.init_args.init_from_target_layers": None,
+}
+
+
 def experiment_config(base: dict, name: str, changes: dict, root: Path, steps: int) -> dict:
     """The base config with `changes`, its outputs under `root/name`, `steps` steps, one final val/tau."""
     cfg = copy.deepcopy(base)
     run = root / name
-    for key, value in changes.items():
+    for key, value in {**STUDY_DEFAULTS, **changes}.items():
         set_dotted(cfg, key, value)
     t = cfg["trainer"]
     t["max_steps"] = steps
