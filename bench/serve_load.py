@@ -10,7 +10,7 @@ For each budget (0 = AR: the same server, engine and batching, no draft) it star
 a closed loop: c client threads send `--requests` streamed greedy completions in all (prompt token ids
 from `--prompts`, chat-formatted, cycled), each thread its next request as soon as its last one ended.
 Per level: requests/s and completion tokens/s over the level's wall time, p50/p99 of request latency and
-of time to first token; per budget, the server's own tau from /metrics. The bench stops by itself (a
+of time to first token; per budget, the server's own tau and mean draft budget played from /metrics. The bench stops by itself (a
 fixed number of requests per level) and checks losslessness on the way: every request's greedy token ids
 must equal the AR server's for the same prompt, or it stops with an error.
 
@@ -291,7 +291,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"p50 {level['latency_p50_s']:.3f}s  p99 {level['latency_p99_s']:.3f}s",
                         flush=True,
                     )
-                results["configs"][budget] = {"levels": levels, "tau_mean": srv.metric("jetflow_tau_mean")}
+                results["configs"][budget] = {
+                    "levels": levels,
+                    "tau_mean": srv.metric("jetflow_tau_mean"),
+                    "draft_budget_mean": srv.metric("jetflow_draft_budget_mean"),
+                }
     ar = {lv["concurrency"]: lv["tokens_per_s"] for lv in results["configs"]["0"]["levels"]}
     results["speedup_vs_ar"] = {
         b: {str(lv["concurrency"]): lv["tokens_per_s"] / ar[lv["concurrency"]] for lv in row["levels"]}

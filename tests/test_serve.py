@@ -23,6 +23,7 @@ the engine inside a verify forward (the driver thread blocks there) until the te
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -45,6 +46,7 @@ from jetflow_pl.runtime.torch_backend import TorchBackend
 from jetflow_pl.serve.app import ServeConfig, create_app
 from jetflow_pl.serve.driver import EngineDriver
 from jetflow_pl.serve.runner import ServerThread
+from jetflow_pl.serve.text import TextStream
 from jetflow_pl.target import TargetModel
 
 pytestmark = pytest.mark.skipif(
@@ -257,6 +259,7 @@ def completion_tokens_stream(client: openai.OpenAI, **kw) -> tuple[str, list[int
 
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    wait_until(lambda: httpx.get(server[0].url + "/health").status_code == 200, "the driver to be ready")
     assert httpx.get(server[0].url + "/health").json() == {"status": "ok"}
 
 
@@ -645,3 +648,109 @@ def test_metrics_count_what_was_served(pair, server, client, texts):
     assert after[("jetflow_tau_mean", "")] > 1.0  # the head drafted (budget 16)
     assert after[("jetflow_tokens_per_second", "")] > 0
     assert after[("jetflow_request_latency_seconds_count", "")] >= 3
+
+
+# ---------------------------------------------------------------------------------------------------
+# text: incremental detokenization and stop strings
+# ---------------------------------------------------------------------------------------------------
+
+
+def stream_text(tok, ids: list[int], stop: list[str]) -> tuple[str, TextStream]:
+    ts = TextStream(tok, stop)
+    out = "".join(ts.push([t]) for t in ids)  # one token at a time: the worst case for held-back text
+    return out + ts.finish(), ts
+
+
+def test_text_stream_multibyte_and_stops(pair):
+    tok = pair[2]
+    text = "prix: 12€ — naïve café, ok STOP après"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == text
+    # without stops: the deltas add up to the full text, and no delta ever carried a broken character
+    ts = TextStream(tok)
+    deltas = [ts.push([t]) for t in ids]
+    assert "".join(deltas) + ts.finish() == text and not any("\ufffd" in d for d in deltas)
+    # a stop string spanning several tokens: cut before it, the tokens end with the one completing it
+    got, ts = stream_text(tok, ids, ["STOP", "zzz"])
+    assert got == "prix: 12€ — naïve café, ok " and ts.stopped
+    assert "STOP" in tok.decode(ts.tokens) and "STOP" not in tok.decode(ts.tokens[:-1])
+    # a prefix of a stop string is held back, then released when the text goes another way
+    got, ts = stream_text(tok, ids, ["café!"])
+    assert got == text and not ts.stopped
+
+
+# ---------------------------------------------------------------------------------------------------
+# the command line
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_cli_bad_flags_are_one_line(capsys, tmp_path):
+    from jetflow_pl.serve.cli import main
+
+    assert main(["--backend", "onnxruntime"]) == 2
+    assert capsys.readouterr().err.strip().startswith("error: --backend onnxruntime needs --engine-dir")
+    assert main(["--head", str(SMALL_HEAD_DIR)]) == 2  # torch without a target
+    assert "needs --target" in capsys.readouterr().err
+    assert main(["--engine-dir", str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_cli_serves_the_toy_pair(pair, tmp_path, chats, chat_refs):
+    """`python -m jetflow_pl.serve` as users start it: a subprocess on a free port answers the openai
+    client exactly (greedy, budget auto: the cost profile is measured into a fresh cache, in the driver
+    thread) and shuts down on SIGTERM."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jetflow_pl.serve",
+        "--target",
+        str(SMALL_TARGET_DIR),
+        "--head",
+        str(SMALL_HEAD_DIR),
+        "--port",
+        str(port),
+        "--max-batch",
+        "2",
+        "--budget",
+        "auto",
+        "--served-model-name",
+        MODEL,
+        "--log-level",
+        "warning",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "JETFLOW_PL_CACHE_DIR": str(tmp_path)}
+    log = (tmp_path / "server.log").open("w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()
+            try:
+                return httpx.get(url + "/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(up, "the server to come up")
+        with openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=WAIT_S) as cl:
+            out = cl.chat.completions.create(
+                model=MODEL,
+                messages=chats[0],
+                max_tokens=MAX_NEW,
+                temperature=0,
+                extra_body={"return_token_ids": True},
+            )
+        assert out.choices[0].token_ids == chat_refs[0]
+    finally:
+        proc.terminate()
+        # uvicorn shuts down gracefully, then re-raises the signal it caught (so a supervisor sees it)
+        assert proc.wait(WAIT_S) in (0, -signal.SIGTERM)
+        log.close()

@@ -115,6 +115,8 @@ def create_app(
     async def health() -> Response:
         if not driver.alive:
             return JSONResponse({"status": "engine stopped"}, status_code=503)
+        if not driver.ready:  # e.g. measuring this machine's cost profile (budget auto): not yet in rotation
+            return JSONResponse({"status": "starting"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")

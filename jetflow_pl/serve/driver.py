@@ -74,6 +74,7 @@ class DriverStats:
     tokens_generated: int = 0
     rounds: int = 0  # request-rounds: one per request per decode round
     committed_in_rounds: int = 0  # tokens those rounds committed (tau = this / rounds)
+    budget_sum: int = 0  # draft budgets those rounds were played at (0: AR rounds)
     latency_sum_s: float = 0.0
     ttft_sum_s: float = 0.0
     latency_count: int = 0
@@ -114,6 +115,7 @@ class EngineDriver:
         self._live: dict[int, Ticket] = {}  # ticket id -> ticket, submitted and not finished
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._ready = threading.Event()
 
     @classmethod
     def for_generator(cls, generator: Any, **engine_kwargs: Any) -> EngineDriver:
@@ -174,8 +176,25 @@ class EngineDriver:
         return self._inbox.qsize()
 
     # ------------------------------------------------------------------ the loop (driver thread)
+    @property
+    def ready(self) -> bool:
+        """The loop runs and the budget policy has started (`auto`: the cost profile is loaded or measured)."""
+        return self._ready.is_set() and self.alive
+
+    def _warm(self) -> None:
+        """Start the budget policy before the first request. `budget="auto"` without a cached cost profile
+        measures one through the backend; done inside a step (`DecodeEngine._start`, after that step's
+        prefill) the measurement would run over the KV of the requests just prefilled, so it is done here,
+        with nothing in flight, which also keeps the measurement out of the first request's latency."""
+        try:
+            self.engine._start()
+        except Exception:  # the engine retries at its first round, where the request then fails
+            log.exception("starting the budget policy failed")
+        self._ready.set()
+
     def _loop(self) -> None:
         try:
+            self._warm()
             while not self._stop.is_set():
                 self._drain(block=self.engine.idle)
                 if self._stop.is_set():
@@ -280,6 +299,7 @@ class EngineDriver:
             with self.stats.lock:
                 self.stats.rounds += res.num_rounds
                 self.stats.committed_in_rounds += sum(res.accept_lengths)
+                self.stats.budget_sum += sum(res.budgets)
                 if ok and res.finished_at:
                     self.stats.latency_sum_s += res.latency_s
                     self.stats.ttft_sum_s += res.ttft_s

@@ -33,6 +33,7 @@ class _DriverCollector:
         with s.lock:
             requests = {k: s.requests.get(k, 0) for k in OUTCOMES} | dict(s.requests)
             tokens, rounds, committed = s.tokens_generated, s.rounds, s.committed_in_rounds
+            budgets = s.budget_sum
             lat_sum, ttft_sum, lat_n = s.latency_sum_s, s.ttft_sum_s, s.latency_count
             depth, active, steps = s.queue_depth, s.active, s.steps
         m = [self.model]
@@ -54,6 +55,12 @@ class _DriverCollector:
             "Tokens committed per verify forward, over every finished request",
             m,
             committed / rounds if rounds else 0.0,
+        )
+        yield _gauge(
+            "jetflow_draft_budget_mean",
+            "Draft tokens per tree (0 = an AR round), over every finished request's rounds",
+            m,
+            budgets / rounds if rounds else 0.0,
         )
         yield _gauge(
             "jetflow_tokens_per_second",
