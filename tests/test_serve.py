@@ -754,3 +754,41 @@ def test_cli_serves_the_toy_pair(pair, tmp_path, chats, chat_refs):
         # uvicorn shuts down gracefully, then re-raises the signal it caught (so a supervisor sees it)
         assert proc.wait(WAIT_S) in (0, -signal.SIGTERM)
         log.close()
+
+
+@pytest.mark.slow  # exporting the toy pair to ONNX takes ~20 s on a CPU core
+def test_engine_directory_is_served_one_request_at_a_time(pair, tmp_path_factory, chats, chat_refs):
+    """An exported engine directory (ONNX Runtime, batch 1) behind the same API: `--max-batch 4` is
+    clamped to the engine's one slot, concurrent requests queue and each is exact."""
+    from export.onnx_export import ExportSettings, export_engine
+    from jetflow_pl.serve.cli import build_parser, make_app
+
+    engine_dir = export_engine(
+        ExportSettings(
+            head=SMALL_HEAD_DIR, target=SMALL_TARGET_DIR, out=tmp_path_factory.mktemp("eng") / "toy"
+        )
+    )
+    args = build_parser().parse_args(
+        ["--engine-dir", str(engine_dir), "--budget", "16", "--max-batch", "4", "--served-model-name", MODEL]
+    )
+    app = make_app(args)
+    assert app.state.driver.engine.max_batch == 1
+    with ServerThread(app) as srv:
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=WAIT_S) as cl:
+
+            def ask(i: int) -> list[int]:
+                return (
+                    cl.chat.completions.create(
+                        model=MODEL,
+                        messages=chats[i],
+                        max_tokens=MAX_NEW,
+                        temperature=0,
+                        extra_body={"return_token_ids": True},
+                    )
+                    .choices[0]
+                    .token_ids
+                )
+
+            with ThreadPoolExecutor(3) as pool:
+                got = list(pool.map(ask, range(3)))
+    assert got == chat_refs[:3]
