@@ -71,11 +71,19 @@ class ScriptedBackend:
     request whose prompt starts with `poison` from its second verify on (the others' logits are the
     real ones). Everything else is the real backend."""
 
-    def __init__(self, inner: TorchBackend, gated: bool = False, poison: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        inner: TorchBackend,
+        gated: bool = False,
+        poison: list[int] | None = None,
+        explode: list[int] | None = None,
+    ) -> None:
         self.inner = inner
+        self.explode = explode  # a prompt starting with these makes its first verify raise (an engine bug)
         self.permits = threading.Semaphore(0) if gated else None
         self.poison = poison
         self._poisoned: dict[int, int] = {}  # slot -> verifies seen
+        self._exploding: set[int] = set()
         self.blocked = 0  # verifies waiting at the gate now (the driver thread is inside one)
 
     def __getattr__(self, name: str) -> Any:
@@ -90,11 +98,14 @@ class ScriptedBackend:
 
     def _mark(self, slot: int, ids: torch.Tensor) -> None:
         ids = torch.as_tensor(ids).reshape(-1).tolist()
+        if self.explode is not None and ids[: len(self.explode)] == self.explode:
+            self._exploding.add(slot)
         if self.poison is not None and ids[: len(self.poison)] == self.poison:
             self._poisoned[slot] = 0
 
     def prefill(self, prompt_ids: torch.Tensor, slot: int = 0) -> torch.Tensor:
         self._poisoned.pop(slot, None)
+        self._exploding.discard(slot)
         self._mark(slot, prompt_ids)
         return self.inner.prefill(prompt_ids, slot)
 
@@ -111,6 +122,9 @@ class ScriptedBackend:
             self.blocked -= 1
             if not opened:
                 raise RuntimeError("the test never opened the gate")
+        if self._exploding & set(slots):
+            self._exploding -= set(slots)
+            raise RuntimeError("injected backend failure")
         out = self.inner.verify_batch(slots, trees)
         for i, s in enumerate(slots):
             if s in self._poisoned:
@@ -140,10 +154,11 @@ def serve(
     gated: bool = False,
     poison: list[int] | None = None,
     max_tokens_limit: int | None = 200,
+    explode: list[int] | None = None,
 ) -> Iterator[tuple[ServerThread, EngineDriver, ScriptedBackend]]:
     """A server on a free port of 127.0.0.1 over the toy pair (budget 16), with a scripted backend."""
     head, target, tok = pair
-    backend = ScriptedBackend(TorchBackend(target, head, max_batch=max(max_batch, 2)), gated, poison)
+    backend = ScriptedBackend(TorchBackend(target, head, max_batch=max(max_batch, 2)), gated, poison, explode)
     gen = SpeculativeGenerator(backend, budget=BUDGET, width=4, eos_token_id=EOS)
     driver = EngineDriver.for_generator(gen, max_batch=max_batch, max_queue=max_queue, prefill_chunk=64)
     config = ServeConfig(MODEL, int(backend.max_positions), max_tokens_limit=max_tokens_limit)
@@ -611,6 +626,41 @@ def test_nan_fails_only_its_request(pair, texts, completion_refs):
         state = wait_idle(driver)
         assert state["free"] == [0, 1, 2, 3] and state["kv_lengths"] == [0] * 4
         assert driver.stats.requests["error"] == 2
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0) as cl:
+            assert_serving(cl, pair, texts[0], completion_refs[0])
+
+
+def test_client_gone_before_a_non_streamed_answer_is_cancelled(pair, texts, completion_refs):
+    with serve(pair, max_batch=2, gated=True) as (srv, driver, backend):
+        body = {"model": MODEL, "prompt": texts[0], "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up while the engine is held at the gate
+            httpx.post(srv.url + "/v1/completions", json=body, timeout=1.0)
+        wait_until(
+            lambda: driver.pending >= 1 or driver.stats.requests.get("cancelled", 0) == 1,
+            "the server to notice the client is gone",
+        )
+        backend.open()
+        state = wait_idle(driver)
+        assert driver.stats.requests.get("cancelled", 0) == 1 and driver.stats.tokens_generated < 200
+        assert state["free"] == [0, 1] and state["kv_lengths"] == [0, 0]
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0) as cl:
+            assert_serving(cl, pair, texts[0], completion_refs[0])
+
+
+def test_engine_failure_fails_the_requests_in_flight_and_serving_goes_on(pair, texts, completion_refs):
+    """Not a NaN but an exception inside a round (a bug): the requests of that round get a 500, their slots
+    are freed, and the next requests are served exactly."""
+    boom = [1998, 1998]
+    with serve(pair, max_batch=2, explode=boom) as (srv, driver, backend):
+        r = httpx.post(
+            srv.url + "/v1/completions",
+            json={"model": MODEL, "prompt": boom + [5, 6, 7], "max_tokens": 8, "temperature": 0},
+            timeout=WAIT_S,
+        )
+        assert r.status_code == 500
+        assert "injected backend failure" in assert_error_shape(r.json(), "server_error")["message"]
+        state = wait_idle(driver)
+        assert state["free"] == [0, 1] and state["kv_lengths"] == [0, 0]
         with openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0) as cl:
             assert_serving(cl, pair, texts[0], completion_refs[0])
 
