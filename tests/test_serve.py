@@ -688,8 +688,13 @@ def test_metrics_count_what_was_served(pair, server, client, texts):
         used += client.completions.create(
             model=MODEL, prompt=text, max_tokens=MAX_NEW, temperature=0
         ).usage.completion_tokens
+    for bad in ({"model": "nope", "prompt": "x"}, {"model": MODEL, "prompt": [5, 10**6], "max_tokens": 2}):
+        assert httpx.post(server[0].url + "/v1/completions", json=bad).status_code in (400, 404)
     wait_idle(server[1])
     after = scrape(server[0].url)
+    # each refused request counted once, as invalid (the vocabulary check is the engine's, the 404 the app's)
+    assert after[("jetflow_requests_total", "invalid")] - before[("jetflow_requests_total", "invalid")] == 2
+    assert after[("jetflow_requests_total", "rejected")] == before[("jetflow_requests_total", "rejected")]
     assert (
         after[("jetflow_tokens_generated_total", "")] - before[("jetflow_tokens_generated_total", "")] == used
     )

@@ -29,7 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from jetflow_pl.decoding.engine import DecodeEngine, RequestHandle
+from jetflow_pl.decoding.engine import DecodeEngine, EngineFull, RequestHandle
 from jetflow_pl.decoding.sampling import SamplingConfig
 from jetflow_pl.errors import NumericalError
 from jetflow_pl.serve.faults import FaultGuard
@@ -202,9 +202,19 @@ class EngineDriver:
                 if not self.engine.idle:
                     self._step()
         finally:
+            gone = RuntimeError("the server is shutting down")
             for ticket in list(self._live.values()):
-                ticket._emit("error", RuntimeError("the server is shutting down"))
+                ticket._emit("error", gone)
             self._live.clear()
+            while True:  # submissions never taken: answer them too, so no handler waits forever
+                try:
+                    cmd = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if cmd[0] == "submit":
+                    cmd[1]._emit("error", gone)
+                elif cmd[0] == "call":
+                    cmd[2].set_exception(gone)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -228,7 +238,8 @@ class EngineDriver:
             try:
                 ticket.handle = self.engine.submit(prompt, max_new, sampling, stop_ids=stop_ids)
             except Exception as err:  # EngineFull, UserInputError: the handler maps them to a status
-                self.stats.count("rejected")
+                if isinstance(err, EngineFull):  # a 429 (other refusals are 4xx: the app counts those)
+                    self.stats.count("rejected")
                 ticket._emit("error", err)
                 return
             self._live[ticket.id] = ticket
