@@ -297,3 +297,24 @@ def test_engine_limits_queue_capacity_and_cancel(pair, requests, references):
     streamed = [t for chunk in h.stream() for t in chunk]
     assert streamed == h.tokens == references[2][:10]
     assert h.result.latency_s >= h.result.ttft_s > 0
+
+
+def test_auto_budget_measuring_its_cost_profile_leaves_the_requests_exact(
+    pair, requests, references, tmp_path, monkeypatch
+):
+    """`budget="auto"` with no cached cost profile measures one on the backend when the engine starts.
+    That must happen before any request owns KV rows: measured between a prefill and the first round,
+    it overwrote the prefilled requests' caches and their tokens came out wrong."""
+    monkeypatch.setenv("JETFLOW_PL_CACHE_DIR", str(tmp_path))  # no cached profile: it is measured here
+    head, target = pair
+    backend = TorchBackend(target, head, max_batch=2)
+    gen = SpeculativeGenerator(backend, budget="auto", width=4, eos_token_id=EOS)
+    engine = gen.engine(max_batch=2)
+    handles = [engine.submit(*requests[i]) for i in range(3)]
+    engine.run()
+    assert list((tmp_path / "cost_profiles").glob("*.json"))  # the profile really was measured now
+    assert_lossless(handles, requests[:3], references[:3])
+    alone = SpeculativeGenerator(TorchBackend(target, head), budget="auto", width=4, eos_token_id=EOS)
+    monkeypatch.setenv("JETFLOW_PL_CACHE_DIR", str(tmp_path / "fresh"))  # the batch-of-one path too
+    prompt, max_new = requests[0]
+    assert alone.generate(prompt, max_new).tokens == references[0][:max_new]

@@ -327,10 +327,11 @@ class DecodeEngine:
         tokens of every request that produced some, by request id."""
         tracked = self._all()
         before = [len(lv.handle.result.tokens) for lv in tracked]
+        if tracked:
+            self._start()  # before any request's KV exists: a cost-profile measurement uses the backend
         self._admit()
         self._prefill()
         if self._decoding:
-            self._start()
             self.generator._round(self.backend, self._decoding)
             self.rounds += 1
             for live in [lv for lv in self._decoding if lv.handle.result.finish_reason != "running"]:
@@ -351,8 +352,12 @@ class DecodeEngine:
         return [*self._waiting, *self._prefilling, *self._decoding]
 
     def _start(self) -> None:
-        if not self._started:  # may measure this machine's cost profile once (budget="auto")
+        """Start the budget policy once, before the first request is prefilled: `budget="auto"` may measure
+        this machine's cost profile by running the backend, which leaves slot 0's caches in use; they are
+        freed before any request takes a slot (measuring between rounds corrupted live requests' KV)."""
+        if not self._started:
             self.generator.budget_policy.start(self.backend.backend)
+            self.backend.release(0)
             self._started = True
 
     def _reserved(self) -> int:
