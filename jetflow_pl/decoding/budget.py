@@ -29,6 +29,20 @@ is within `explore_margin` of the best, and on a session-wide schedule (`probe_e
 changes nothing) the probe budget is played whatever the estimates say; both intervals double while
 exploring does not change the choice, except that a probe round that on its own beat the current choice
 is followed by another probe (the estimate is behind the data: cheap, since such rounds are fast).
+
+**A batch of requests** (continuous batching, `choose_batch` / `observe_batch`) shares one budget per
+round: one head forward and one verify forward of B trees padded to the largest. The round's cost is then
+`cost(k, B)` in batched AR steps (`CostProfile.cost(k, batch=B)`: t(B, k+1) + draft + B builds over
+t(B, 1), measured per machine), and what it yields is the sum over the requests of their tau_i(k), so
+the speed against B AR steps batched is `sum_i tau_i(k) / (B * cost(k, B))` and the budget maximizing
+it is played, or 0 when none beats AR by `min_gain`. tau_i(k) is the request's own accept lengths so
+far, shrunk toward the session's estimate (`request_weight` pseudo-rounds), so one well-predicted
+request does not buy a large tree for a batch of hard ones, and a new request starts from what the
+session knows. Acceptance is a property of head and data, not of the batch: every request's rounds feed
+the one session estimate whatever B was. The probe budget, exploration and probing schedule are the
+batch-1 ones with costs at B (a probe at B plays the largest budget costing at most `probe_cost`
+batched AR steps). On a CPU verify cost grows quickly with B x N, so `auto` shrinks the tree as the
+batch grows and plays AR where speculation cannot pay; a batch of one is exactly the batch-1 policy.
 """
 
 from __future__ import annotations
@@ -248,6 +262,10 @@ class AutoBudget:
         cap: never choose more than this (None: the cost profile's ladder, capped by the backend).
         learn, memory: keep the rounds of earlier generations (the most recent `memory` per budget), so a
             session of many prompts probes only once without a prior and adapts to the data it decodes.
+        request_weight: under batching, pseudo-rounds of the session estimate each request's own
+            acceptance is shrunk toward (module doc).
+        max_batch: the most requests per round the cost profile must cover (`plan_batch`, which the
+            engine calls with its own `max_batch`; None: `cost_profile.DEFAULT_MEASURED_BATCH`).
 
     `max_budget` (the `BudgetPolicy` attribute) is None: the candidates are capped by the backend in
     `start`, so no budget this policy picks can exceed the backend's limit.
@@ -274,7 +292,14 @@ class AutoBudget:
         cap: int | None = None,
         learn: bool = True,
         memory: int = 64,
+        request_weight: float = 4.0,
+        max_batch: int | None = None,
     ) -> None:
+        if request_weight < 0:
+            raise ValueError("request_weight must be >= 0")
+        self.request_weight = float(request_weight)
+        self.max_batch = None if max_batch is None else max(1, int(max_batch))
+        self._batch: Sequence[AcceptanceStats] | None = None
         if prior_weight < 0 or probe_rounds < 0 or probe_cost < 1 or explore_every < 1 or probe_every < 1:
             raise ValueError("prior_weight, probe_rounds >= 0; probe_cost, explore_every, probe_every >= 1")
         if not 0 <= explore_margin < 1 or min_gain < 1:
@@ -318,9 +343,17 @@ class AutoBudget:
 
     def start(self, backend: DecodeBackend) -> None:
         """Resolve the cost profile for `backend` (first time only), fix the candidates, reset estimates."""
-        # a profile given by the caller is used as given; one resolved here belongs to that backend
-        if self.cost is None or (self._resolved_for is not None and self._resolved_for != id(backend)):
-            self.cost = cost_profile_for(backend, self.cost_profile_path, self.cache_dir)
+        # a profile given by the caller is used as given; one resolved here belongs to that backend (and is
+        # completed when the engine now batches more requests than it covers)
+        resolved_here = self._resolved_for is not None
+        if (
+            self.cost is None
+            or (resolved_here and self._resolved_for != id(backend))
+            or (resolved_here and self.cost.max_measured_batch < self._batch_limit(backend))
+        ):
+            self.cost = cost_profile_for(
+                backend, self.cost_profile_path, self.cache_dir, max_batch=self.max_batch
+            )
             self._resolved_for = id(backend)
         limit = max_budget(backend)
         if self.cap is not None:
@@ -331,6 +364,17 @@ class AutoBudget:
             self.stats = AcceptanceStats(candidates)
         self.candidates = candidates
         self._reset_generation()
+
+    def plan_batch(self, max_batch: int) -> None:
+        """Decoding will batch up to `max_batch` requests per round (before `start`): the cost profile
+        resolved at `start` covers that many."""
+        self.max_batch = max(1, int(max_batch))
+
+    def _batch_limit(self, backend: DecodeBackend) -> int:
+        """The largest batch size the profile should cover for `backend` (1: no batching planned)."""
+        from jetflow_pl.decoding.cost_profile import batch_sizes_for
+
+        return max([1, *batch_sizes_for(backend, self.max_batch)])
 
     # ---- estimates --------------------------------------------------------------------------------
     def estimates(self) -> dict[int, float]:
@@ -360,18 +404,80 @@ class AutoBudget:
     def best(self) -> int:
         """The candidate with the highest expected speed (ties: the smaller budget); 0 unless some budget
         beats AR by `min_gain`."""
-        speeds = self.speeds()
+        return self._best_of(self.speeds())
+
+    def _best_of(self, speeds: dict[int, float]) -> int:
         best, best_speed = 0, self.min_gain
         for k, v in speeds.items():
             if k and v > best_speed:
                 best, best_speed = k, v
         return best
 
-    def probe_budget(self) -> int:
-        """The largest candidate whose round costs at most `probe_cost` AR steps (0 if none)."""
+    def probe_budget(self, batch: int = 1) -> int:
+        """The largest candidate whose round (of `batch` requests) costs at most `probe_cost` AR steps
+        (batched; 0 if none)."""
         assert self.cost is not None
-        ok = [k for k in self.candidates if k and self.cost.cost(k) <= self.probe_cost]
+        ok = [k for k in self.candidates_at(batch) if k and self.cost.cost(k, batch) <= self.probe_cost]
         return max(ok) if ok else 0
+
+    # ---- a batch of requests ----------------------------------------------------------------------
+    def candidates_at(self, batch: int) -> list[int]:
+        """The candidates whose cost is known for a round of `batch` requests."""
+        if batch <= 1:
+            return self.candidates
+        assert self.cost is not None
+        known = set(self.cost.budgets_at(batch))
+        return [k for k in self.candidates if k in known]
+
+    def request_estimates(
+        self, stats: AcceptanceStats, session: dict[int, float] | None = None
+    ) -> dict[int, float]:
+        """tau_i(k) of one request: its own mean accept length at k (`stats`, its rounds so far) shrunk
+        toward the session's estimate by `request_weight` pseudo-rounds, non-decreasing in k."""
+        session = self.estimates() if session is None else session
+        out: dict[int, float] = {}
+        best_so_far = 1.0
+        for k, est in session.items():
+            if k and k in stats.budgets:
+                n, mean = stats.count(k), stats.mean(k)
+                w = self.request_weight
+                if n > 0 and mean is not None:
+                    est = (w * est + n * mean) / (w + n)
+            best_so_far = max(best_so_far, est)
+            out[k] = best_so_far
+        return out
+
+    def batch_speeds(self, requests: Sequence[AcceptanceStats]) -> dict[int, float]:
+        """Expected speed of every candidate for a round of these requests, against `len(requests)` AR
+        steps batched (AR itself: 1): sum of tau_i(k) over B * cost(k, B)."""
+        assert self.cost is not None, "call start(backend) first"
+        b = len(requests)
+        if b <= 1:
+            return self.speeds()
+        session = self.estimates()
+        per = [self.request_estimates(st, session) for st in requests]
+        return {k: sum(t[k] for t in per) / (b * self.cost.cost(k, b)) for k in self.candidates_at(b)}
+
+    def best_batch(self, requests: Sequence[AcceptanceStats]) -> int:
+        """The shared budget with the highest expected speed for these requests; 0 unless some budget
+        beats AR by `min_gain`."""
+        return self._best_of(self.batch_speeds(requests))
+
+    def choose_batch(self, requests: Sequence[AcceptanceStats]) -> int:
+        """The shared budget of one round of `requests` (each one's acceptance so far); see the module doc."""
+        if self.cost is None:
+            raise RuntimeError("AutoBudget.choose_batch() before start(backend)")
+        self._explored_from = None
+        self._probing = False
+        self._batch = list(requests)
+        self._last_choice = self._pick(self._batch)
+        return self._last_choice
+
+    def observe_batch(self, trees: Sequence[DraftTree], accepted: Sequence[Sequence[int]]) -> None:
+        """One round of the batch chosen by `choose_batch`: every request's tree and accepted node ids."""
+        batch = self._batch if self._batch is not None and len(self._batch) == len(trees) else None
+        self._observe(list(trees), [list(a) for a in accepted], batch)
+        self._batch = None
 
     # ---- the policy -------------------------------------------------------------------------------
     def choose(self) -> int:
@@ -382,19 +488,21 @@ class AutoBudget:
         self._last_choice = self._pick()
         return self._last_choice
 
-    def _pick(self) -> int:
+    def _pick(self, batch: Sequence[AcceptanceStats] | None = None) -> int:
+        """The next budget: probing, then the best, with exploration (a batch's costs at its size)."""
+        b = 1 if batch is None else len(batch)
         if self._probes_left > 0:
             self._probes_left -= 1
-            return self.probe_budget()
-        best = self.best()
-        probe = self.probe_budget()
+            return self.probe_budget(b)
+        speeds = self.speeds() if batch is None else self.batch_speeds(batch)
+        best = self._best_of(speeds)
+        probe = self.probe_budget(b)
         if self._session_round >= self._next_probe_at and probe > best:
             self._explored_from, self._probing = best, True
             return probe
-        above = [k for k in self.candidates if k > best]
+        above = [k for k in self.candidates_at(b) if k > best]
         if above:
             up = above[0]
-            speeds = self.speeds()
             due = self._round - self._last_seen[up] >= self._interval
             if due and speeds[up] >= (1.0 - self.explore_margin) * max(speeds[best], 1.0):
                 self._explored_from = best
@@ -402,23 +510,41 @@ class AutoBudget:
         return best
 
     def observe(self, tree: DraftTree, accepted: Sequence[int]) -> None:
-        self.stats.observe(accepted, tree.budget)
+        self._observe([tree], [accepted], None)
+
+    def _observe(
+        self,
+        trees: list[DraftTree],
+        accepted: list[Sequence[int]],
+        batch: Sequence[AcceptanceStats] | None,
+    ) -> None:
+        """Record one round (one tree per request; `batch`: the requests' stats when it was a batch)."""
+        for tree, acc in zip(trees, accepted, strict=True):
+            self.stats.observe(acc, tree.budget)
         self.stats.fade(self.memory)
+        b = 1 if batch is None else len(batch)
+
+        def speeds() -> dict[int, float]:
+            return self.speeds() if batch is None else self.batch_speeds(batch)
+
+        def best() -> int:
+            return self._best_of(speeds())
+
         # a budget counts as visited when it was played even if the tree came out smaller (near the end
         # of the context): otherwise an exploration that cannot happen would be retried every round
-        visited = max(tree.budget, self._last_choice)
+        visited = max(max(t.budget for t in trees), self._last_choice)
         for k in self.candidates:
             if k <= visited:
                 self._last_seen[k] = self._round
         if self._explored_from is not None:
-            changed = self.best() != self._explored_from
+            changed = best() != self._explored_from
             if self._probing:
                 # a probe round that by itself beat the current choice is evidence the estimate is behind
                 # (a prior from other data, say): probe again next round, until the choice moves or a
                 # probe disagrees. Such rounds cost nothing (they were faster than the choice); a probe
                 # that disagrees backs the schedule off, so a useless head pays O(log rounds) probes.
-                promising = self._round_speed(tree, accepted) > self.min_gain * max(
-                    self.speeds()[self._explored_from], 1.0
+                promising = self._round_speed(trees, accepted, b) > self.min_gain * max(
+                    speeds()[self._explored_from], 1.0
                 )
                 if changed or promising:
                     self._probe_interval = self.probe_every
@@ -431,20 +557,22 @@ class AutoBudget:
                 self._interval = (
                     self.explore_every if changed else min(2 * self._interval, self.max_explore_every)
                 )
-        if self._session_round >= self._next_probe_at and self.probe_budget() <= self.best():
+        if self._session_round >= self._next_probe_at and self.probe_budget(b) <= best():
             # nothing above the choice to probe: look again one interval later
             self._next_probe_at = self._session_round + self._probe_interval
         self._round += 1
         self._session_round += 1
 
-    def _round_speed(self, tree: DraftTree, accepted: Sequence[int]) -> float:
-        """The best speed this one round would have had at any candidate budget it covered."""
+    def _round_speed(self, trees: list[DraftTree], accepted: list[Sequence[int]], batch: int = 1) -> float:
+        """The best speed this one round (its `batch` requests) would have had at any candidate budget
+        every tree covered, against as many AR steps batched."""
         assert self.cost is not None
+        covered = min(t.budget for t in trees)
         return max(
             (
-                accept_length_at(accepted, k) / self.cost.cost(k)
-                for k in self.candidates
-                if 0 < k <= tree.budget
+                sum(accept_length_at(acc, k) for acc in accepted) / (batch * self.cost.cost(k, batch))
+                for k in self.candidates_at(batch)
+                if 0 < k <= covered
             ),
             default=0.0,
         )
@@ -463,6 +591,15 @@ class AutoBudget:
         return (
             "expected speed vs AR: " + " ".join(f"{k}:{v:.2f}" for k, v in sp.items()) + f" -> {self.best()}"
         )
+
+
+def start_policy(policy: BudgetPolicy, backend: DecodeBackend, max_batch: int = 1) -> None:
+    """Start `policy` on `backend` for rounds of up to `max_batch` requests: a batch-aware policy is told
+    the batch size first (`plan_batch`: `auto` then measures or loads costs up to it)."""
+    plan = getattr(policy, "plan_batch", None)
+    if plan is not None:
+        plan(int(max_batch))
+    policy.start(backend)
 
 
 def choose_round_budget(policy: BudgetPolicy, requests: Sequence[AcceptanceStats]) -> int:

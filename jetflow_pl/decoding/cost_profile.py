@@ -14,6 +14,17 @@ threads and version, backend kind, dtype, device, and the identity of target and
 the model *architecture* (config digest): the cost of a forward depends on shapes, not on weight values.
 A cached profile whose fingerprint no longer matches is re-measured; one passed explicitly
 (`--cost-profile FILE`) that does not match is refused with one line naming what differs.
+
+**The batch dimension.** Under continuous batching a round verifies B trees in ONE forward (the trees
+padded to the largest), against B plain AR steps batched, t(B, 1). What the chooser needs at batch B is
+again a ratio: t(B, N)/t(B, 1) (plus the batched draft and the B trees' build, over t(B, 1)); on a CPU it
+grows fast with B (the forward turns compute-bound: B x N rows), on a GPU slowly. It is measured the same
+way, with B slots prefilled and paired rounds, for B = 2, 4, 8, ... up to the engine's `max_batch`; at
+each B the ladder stops at the first N whose round costs more than the head can ever commit (`block_size`
+tokens), and at `MAX_BATCH_TOKENS` rows, so measuring stays bounded. A batch size between two measured ones
+takes the larger one's costs, and one above the largest is bounded by `B / B_max` times its costs (a
+forward of B rows costs at most that many forwards of B_max rows): both err toward AR. A version-1 file
+(no batch dimension) still loads; the batch sizes it lacks are measured and the file is re-written.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ import os
 import platform
 import statistics
 import time
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from itertools import pairwise
@@ -51,7 +63,15 @@ MAX_INNER_ROUNDS = 8
 MIN_SAMPLE_SECONDS = 0.03
 #: `CostProfile.spread` above this flags a profile measured under load
 NOISY_SPREAD = 0.35
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
+#: versions `CostProfile.load` reads (1: no batch dimension; its batch sizes are measured when needed)
+READABLE_VERSIONS = (1, 2)
+#: the batch sizes a profile covers when nobody says how many requests decode together
+DEFAULT_MEASURED_BATCH = 8
+#: most rows (B x N) of one measured batched verify: bounds the measurement's time and memory
+MAX_BATCH_TOKENS = 2048
+#: repeats of the batched measurement (each pass prefills B slots)
+BATCH_REPEATS = 3
 #: config keys that do not change what a forward computes (paths, versions, bookkeeping)
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "architectures", "dtype", "torch_dtype")
 
@@ -173,6 +193,14 @@ class CostProfile:
     #: machine, > NOISY_SPREAD means the numbers are load, not the model (re-measure when quiet)
     spread: float = 0.0
     load_average: float | None = None
+    #: batch sizes B > 1 measured (increasing); per B: its tree sizes (from 1), the seconds of one batched
+    #: verify of B trees of N nodes (N = 1: B AR steps batched, t(B, 1)), of building the B trees, and of
+    #: one batched draft. Empty: no batch dimension (a version-1 file, or a backend of one sequence)
+    batch_sizes: list[int] = field(default_factory=list)
+    batch_nodes: list[list[int]] = field(default_factory=list)
+    batch_verify_s: list[list[float]] = field(default_factory=list)
+    batch_build_s: list[list[float]] = field(default_factory=list)
+    batch_draft_s: list[float] = field(default_factory=list)
     source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -184,6 +212,22 @@ class CostProfile:
             raise UserInputError(f"cost profile tree sizes must increase, got {self.nodes}")
         if not all(t > 0 for t in self.verify_s) or self.draft_s < 0 or any(t < 0 for t in self.build_s):
             raise UserInputError("cost profile times must be positive")
+        rows = (self.batch_nodes, self.batch_verify_s, self.batch_build_s, self.batch_draft_s)
+        if any(len(r) != len(self.batch_sizes) for r in rows):
+            raise UserInputError(
+                "a cost profile needs tree sizes, verify, build and draft times per batch size"
+            )
+        if any(b <= a for a, b in pairwise(self.batch_sizes)) or any(b < 2 for b in self.batch_sizes):
+            raise UserInputError(f"cost profile batch sizes must be > 1 and increase, got {self.batch_sizes}")
+        for b, nodes, verify, build, draft in zip(self.batch_sizes, *rows, strict=True):
+            if not nodes or nodes[0] != 1 or any(y <= x for x, y in pairwise(nodes)):
+                raise UserInputError(f"cost profile tree sizes at batch {b} must start at 1 and increase")
+            if not (len(nodes) == len(verify) == len(build)):
+                raise UserInputError(
+                    f"cost profile at batch {b}: one verify and one build time per tree size"
+                )
+            if not all(t > 0 for t in verify) or draft < 0 or any(t < 0 for t in build):
+                raise UserInputError(f"cost profile times at batch {b} must be positive")
 
     # ---- ratios -----------------------------------------------------------------------------------
     @property
@@ -205,13 +249,64 @@ class CostProfile:
         """t(N)/t(1) for a measured N."""
         return self.verify_s[self._index(n)] / self.t1
 
-    def cost(self, budget: int) -> float:
-        """Cost of one round at `budget`, in AR steps: 1 for budget 0 (no draft at all), else
-        (t(k+1) + draft + build) / t(1)."""
+    def cost(self, budget: int, batch: int = 1) -> float:
+        """Cost of one round at `budget` for `batch` requests, in (batched) AR steps: 1 for budget 0 (no
+        draft at all), else (t(B, k+1) + draft(B) + build of B trees) / t(B, 1); batch 1 is
+        (t(k+1) + draft + build) / t(1). A batch size that was not measured: see the module docstring."""
         if budget == 0:
             return 1.0
-        i = self._index(budget + 1)
-        return (self.verify_s[i] + self.draft_s + self.build_s[i]) / self.t1
+        if batch <= 1:
+            i = self._index(budget + 1)
+            return (self.verify_s[i] + self.draft_s + self.build_s[i]) / self.t1
+        nodes, verify, build, draft, scale = self._batch_row(batch)
+        try:
+            i = nodes.index(int(budget) + 1)
+        except ValueError:
+            raise ValueError(
+                f"tree size {budget + 1} was not measured at batch {batch} (measured: {nodes})"
+            ) from None
+        return scale * (verify[i] + draft + build[i]) / verify[0]
+
+    def budgets_at(self, batch: int) -> list[int]:
+        """The budgets whose cost is known at `batch` requests per round."""
+        return self.budgets if batch <= 1 else [n - 1 for n in self._batch_row(batch)[0]]
+
+    @property
+    def max_measured_batch(self) -> int:
+        return self.batch_sizes[-1] if self.batch_sizes else 1
+
+    def batch_ar_ratio(self, batch: int) -> float | None:
+        """t(B, 1)/t(1): what a batched AR step costs against one request's (None: B not measured)."""
+        if batch == 1:
+            return 1.0
+        if batch not in self.batch_sizes:
+            return None
+        return self.batch_verify_s[self.batch_sizes.index(batch)][0] / self.t1
+
+    def _batch_row(self, batch: int) -> tuple[list[int], list[float], list[float], float, float]:
+        """(tree sizes, verify s, build s, draft s, scale) for `batch`: the smallest measured batch size
+        >= it (costs grow with B, so this errs toward AR), or above the largest measured one its costs
+        times `batch / B_max` (an upper bound: a forward of B rows costs at most B / B_max forwards of
+        B_max rows, and t(B, 1) >= t(B_max, 1)). No batch dimension: B_max is 1."""
+        i = bisect_left(self.batch_sizes, int(batch))
+        if i < len(self.batch_sizes):
+            return (
+                self.batch_nodes[i],
+                self.batch_verify_s[i],
+                self.batch_build_s[i],
+                self.batch_draft_s[i],
+                1.0,
+            )
+        top = self.max_measured_batch
+        if top == 1:
+            return self.nodes, self.verify_s, self.build_s, self.draft_s, float(batch)
+        return (
+            self.batch_nodes[-1],
+            self.batch_verify_s[-1],
+            self.batch_build_s[-1],
+            self.batch_draft_s[-1],
+            batch / top,
+        )
 
     def _index(self, n: int) -> int:
         try:
@@ -228,6 +323,14 @@ class CostProfile:
         """One line: t(1), t(N)/t(1) per N, the draft ratio, and a warning when the samples were noisy."""
         ratios = " ".join(f"{n}:{self.verify_ratio(n):.2f}" for n in self.nodes[1:])
         line = f"t(1) {self.t1 * 1e3:.2f} ms; t(N)/t(1) {ratios}; draft {self.draft_ratio:.2f} t(1)"
+        for b, nodes, verify, draft in zip(
+            self.batch_sizes, self.batch_nodes, self.batch_verify_s, self.batch_draft_s, strict=True
+        ):
+            per = " ".join(f"{n}:{v / verify[0]:.2f}" for n, v in zip(nodes[1:], verify[1:], strict=True))
+            line += (
+                f"; batch {b}: t({b},1) {verify[0] / self.t1:.2f} t(1), t({b},N)/t({b},1) {per}, "
+                f"draft {draft / verify[0]:.2f}"
+            )
         if self.noisy:
             load = f", load average {self.load_average:.1f}" if self.load_average is not None else ""
             line += (
@@ -265,8 +368,8 @@ class CostProfile:
             data = json.loads(path.read_text())
             if not isinstance(data, dict):
                 raise TypeError("not a JSON object")
-            if data.get("version") != PROFILE_VERSION:
-                raise ValueError(f"version {data.get('version')!r}, expected {PROFILE_VERSION}")
+            if data.get("version") not in READABLE_VERSIONS:
+                raise ValueError(f"version {data.get('version')!r}, expected one of {READABLE_VERSIONS}")
             prof = cls(**data)
         except UserInputError as err:
             raise UserInputError(f"cost profile {path}: {err}") from err
@@ -313,8 +416,12 @@ def measure_cost_profile(
     repeats: int = DEFAULT_REPEATS,
     width: int = 4,
     seed: int = 0,
+    max_batch: int | None = None,
+    batch_repeats: int = BATCH_REPEATS,
 ) -> CostProfile:
-    """Time the backend's own round steps for every tree size of the ladder (see the module docstring).
+    """Time the backend's own round steps for every tree size of the ladder (see the module docstring),
+    and, where the backend batches, the batch dimension for `batch_sizes_for(backend, max_batch)`
+    (`measure_batch_costs`, `batch_repeats` passes).
 
     One warm-up pass, then `repeats` timed passes, each after a fresh prefill of `kv_len` seeded random
     tokens (token values do not change the cost of a forward). A sample of size N is a pair of full
@@ -398,6 +505,9 @@ def measure_cost_profile(
     draft_s = base * statistics.median(draft) if draft else 0.0
     spreads = [_relative_iqr(ratio[n]) for n in ladder[1:] if len(ratio[n]) >= 4]
     fp = fingerprint(backend)
+    batched = measure_batch_costs(
+        backend, batch_sizes_for(backend, max_batch), kv_len, nodes, batch_repeats, width, seed
+    )
     return CostProfile(
         fingerprint=fp,
         nodes=ladder,
@@ -411,7 +521,173 @@ def measure_cost_profile(
         measure_seconds=time.perf_counter() - t_start,
         spread=statistics.median(spreads) if spreads else 0.0,
         load_average=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        batch_sizes=batched["sizes"],
+        batch_nodes=batched["nodes"],
+        batch_verify_s=batched["verify_s"],
+        batch_build_s=batched["build_s"],
+        batch_draft_s=batched["draft_s"],
     )
+
+
+def batch_sizes_for(backend: Any, max_batch: int | None = None) -> list[int]:
+    """Batch sizes B > 1 a profile of `backend` should cover: 2, 4, 8, ... and `max_batch` itself, up to
+    `max_batch` (default `DEFAULT_MEASURED_BATCH`) and the backend's request slots; none for a backend of
+    one sequence (no `verify_batch`, or one slot)."""
+    slots = int(getattr(backend, "max_batch", 1) or 1)
+    if not hasattr(backend, "verify_batch") or slots < 2:
+        return []
+    cap = min(slots, DEFAULT_MEASURED_BATCH if max_batch is None else int(max_batch))
+    sizes = []
+    b = 2
+    while b <= cap:
+        sizes.append(b)
+        b *= 2
+    if cap >= 2 and cap not in sizes:
+        sizes.append(cap)
+    return sizes
+
+
+@torch.no_grad()
+def measure_batch_costs(
+    backend: Any,
+    batch_sizes: Sequence[int],
+    kv_len: int = DEFAULT_KV_LEN,
+    nodes: Sequence[int] = LADDER_NODES,
+    repeats: int = BATCH_REPEATS,
+    width: int = 4,
+    seed: int = 0,
+) -> dict[str, list]:
+    """The batch dimension of a cost profile (the `batch_*` fields of `CostProfile`), measured through the
+    backend's batch protocol (`prefill(prompt, slot)`, `draft_batch` / `verify_batch` / `commit_batch`,
+    `release`) as `measure_cost_profile` measures batch 1: per B, slots `0..B-1` prefilled with `kv_len`
+    seeded tokens, then pairs of rounds back to back (B AR steps batched, then B trees of N nodes in one
+    draft and one verify), ratios as medians of the pairs. At each B the ladder stops after the first N
+    whose round already costs more than `block_size` batched AR steps (no round can commit more tokens per
+    request, so no larger N can pay) and at `MAX_BATCH_TOKENS` rows. Leaves every slot it used released.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    ladder, kv_len = ladder_for(backend, kv_len, nodes)
+    device = _backend_device(backend)
+    vocab = vocab_size(backend) or 2
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, vocab, (kv_len,), generator=g)
+    anchor = int(prompt[-1])
+    most_tokens = max(int(backend.block_size), 1)
+    out: dict[str, list] = {k: [] for k in ("sizes", "nodes", "verify_s", "build_s", "draft_s")}
+    for b in sorted(set(int(x) for x in batch_sizes)):
+        if b < 2:
+            continue
+        slots = list(range(b))
+
+        def one_round(n: int, slots: list[int] = slots) -> tuple[float, float, float]:
+            return _batched_round(backend, slots, anchor, n, width, device)
+
+        # warm-up: sizes the inner loops and cuts the ladder where a round can no longer pay
+        _prefill_slots(backend, slots, prompt)
+        t_ar = min(one_round(1)[2], one_round(1)[2])
+        sizes, inner = [1], {1: 1}
+        for n in ladder[1:]:
+            if b * n > MAX_BATCH_TOKENS:
+                break
+            t = sum(one_round(n))
+            sizes.append(n)
+            inner[n] = max(1, min(MAX_INNER_ROUNDS, math.ceil(MIN_SAMPLE_SECONDS / max(t + t_ar, 1e-9))))
+            if t / t_ar > 1.5 * most_tokens:  # 1.5: one slow warm-up round must not cut the ladder short
+                break
+        base: list[float] = []
+        ratio: dict[int, list[float]] = {n: [] for n in sizes[1:]}
+        build: dict[int, list[float]] = {n: [] for n in sizes[1:]}
+        draft: list[float] = []
+        for rep in range(repeats):
+            _prefill_slots(backend, slots, prompt)
+            for n in sizes[1:] if rep % 2 == 0 else sizes[:0:-1]:
+                for _ in range(inner[n]):
+                    a = one_round(1)[2]
+                    base.append(a)
+                    d_s, b_s, v_s = one_round(n)
+                    ratio[n].append(v_s / a)
+                    build[n].append(b_s / a)
+                    draft.append(d_s / a)
+            if len(sizes) == 1:
+                base.append(one_round(1)[2])
+        for s in slots:
+            backend.release(s)
+        t_b1 = min(base)
+        medians = [1.0, *(max(1.0, statistics.median(ratio[n])) for n in sizes[1:])]
+        out["sizes"].append(b)
+        out["nodes"].append(sizes)
+        out["verify_s"].append([t_b1 * r for r in isotonic(medians)])
+        out["build_s"].append([0.0 if n == 1 else t_b1 * statistics.median(build[n]) for n in sizes])
+        out["draft_s"].append(t_b1 * statistics.median(draft) if draft else 0.0)
+    return out
+
+
+def _prefill_slots(backend: Any, slots: Sequence[int], prompt: torch.Tensor) -> None:
+    for s in slots:
+        backend.release(s)
+    for s in slots:
+        backend.prefill(prompt, s)
+
+
+def _batched_round(
+    backend: Any, slots: list[int], anchor: int, n: int, width: int, device: torch.device
+) -> tuple[float, float, float]:
+    """(draft, build, verify + accept + commit) seconds of one batched round of `n`-node trees on `slots`
+    (every tree from its own request's draft; only the roots are committed, as in `measure_cost_profile`)."""
+    d_s = b_s = 0.0
+    if n > 1:
+        _sync(device)
+        t0 = time.perf_counter()
+        lps = backend.draft_batch(slots, [anchor] * len(slots))
+        check_finite(lps[0], "the draft head", "while measuring costs", "")
+        float(lps[0][0, 0])  # waits for the device, as the tree builder's host copy does
+        t1 = time.perf_counter()
+        trees = [build_tree(lp, anchor, n - 1, width, None, SCORE_QUANTUM) for lp in lps]
+        d_s, b_s = t1 - t0, time.perf_counter() - t1
+    else:
+        trees = [DraftTree.chain([anchor]) for _ in slots]
+    _sync(device)
+    t3 = time.perf_counter()
+    logits = backend.verify_batch(slots, trees)
+    for tree, lg in zip(trees, logits, strict=True):
+        accept_greedy(tree, lg.argmax(dim=-1))
+    backend.commit_batch(slots, [[0]] * len(slots))
+    _sync(device)
+    return d_s, b_s, time.perf_counter() - t3
+
+
+def with_batch_costs(prof: CostProfile, measured: dict[str, list]) -> CostProfile:
+    """`prof` with the batch sizes of `measured` (`measure_batch_costs`) added (replacing equal ones)."""
+    rows = {
+        b: (n, v, bl, d)
+        for b, n, v, bl, d in zip(
+            prof.batch_sizes,
+            prof.batch_nodes,
+            prof.batch_verify_s,
+            prof.batch_build_s,
+            prof.batch_draft_s,
+            strict=True,
+        )
+    }
+    for b, n, v, bl, d in zip(
+        measured["sizes"],
+        measured["nodes"],
+        measured["verify_s"],
+        measured["build_s"],
+        measured["draft_s"],
+        strict=True,
+    ):
+        rows[b] = (n, v, bl, d)
+    order = sorted(rows)
+    prof.batch_sizes = order
+    prof.batch_nodes = [rows[b][0] for b in order]
+    prof.batch_verify_s = [rows[b][1] for b in order]
+    prof.batch_build_s = [rows[b][2] for b in order]
+    prof.batch_draft_s = [rows[b][3] for b in order]
+    prof.version = PROFILE_VERSION
+    prof.__post_init__()
+    return prof
 
 
 def isotonic(values: Sequence[float]) -> list[float]:
@@ -457,10 +733,29 @@ def cache_file(fp: dict[str, Any], cache_dir: str | Path | None = None) -> Path:
     return root / f"{_digest(fp)}.json"
 
 
+def _complete(backend: Any, prof: CostProfile, max_batch: int | None, file: Path | None) -> CostProfile:
+    """`prof` covering every batch size `batch_sizes_for(backend, max_batch)` names: the missing ones are
+    measured now and `file` (if any) re-written with them."""
+    missing = [b for b in batch_sizes_for(backend, max_batch) if b not in prof.batch_sizes]
+    if not missing:
+        return prof
+    log.info("cost profile %s lacks batch sizes %s: measuring them", prof.source or "(given)", missing)
+    source = prof.source
+    with_batch_costs(prof, measure_batch_costs(backend, missing, prof.kv_len, prof.nodes))
+    prof.source = f"{source} (batch sizes {missing} measured now)"
+    if file is not None:
+        try:
+            prof.save(file)
+        except OSError as err:
+            log.warning("could not write the completed cost profile to %s: %s", file, err)
+    return prof
+
+
 def cost_profile_for(
     backend: DecodeBackend,
     path: str | Path | None = None,
     cache_dir: str | Path | None = None,
+    max_batch: int | None = None,
     **measure_kw: Any,
 ) -> CostProfile:
     """The cost profile of `backend` on this machine: from `path`, else from the cache, else measured.
@@ -468,9 +763,12 @@ def cost_profile_for(
     `path` given: an existing file must match this backend's fingerprint (else `CostProfileMismatch`,
     one line naming the differing keys); a missing one is measured and written there. No `path`: the
     cached profile for this fingerprint, re-measured (and re-cached) when absent, unreadable or stale.
-    `profile.source` says where the returned profile came from.
+    `max_batch`: the most requests that will decode together (`batch_sizes_for`); batch sizes a matching
+    profile lacks (a version-1 file has none) are measured and written back. `profile.source` says where
+    the returned profile came from.
     """
     fp = fingerprint(backend)
+    measure_kw["max_batch"] = max_batch
     if path is not None:
         path = Path(path)
         if path.exists():
@@ -482,7 +780,7 @@ def cost_profile_for(
                     f"cost profile {path} was measured for another model or machine ({details}); "
                     "delete it to re-measure, or leave out --cost-profile to use this machine's cache"
                 )
-            return prof
+            return _complete(backend, prof, max_batch, path)
         prof = measure_cost_profile(backend, **measure_kw)
         prof.save(path)
         prof.source = f"{path} (measured now)"
@@ -492,7 +790,7 @@ def cost_profile_for(
         try:
             prof = CostProfile.load(file)
             if not prof.mismatch(fp):
-                return prof
+                return _complete(backend, prof, max_batch, file)
             log.info("cached cost profile %s does not match this machine/model: re-measuring", file)
         except UserInputError as err:
             log.info("unreadable cached cost profile (%s): re-measuring", err)

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from jetflow_pl.decoding.budget import AcceptanceStats
+from jetflow_pl.decoding.budget import AcceptanceStats, start_policy
 from jetflow_pl.decoding.sampling import SamplingConfig, choose_token
 from jetflow_pl.errors import UserInputError, check_finite
 from jetflow_pl.runtime.backend import DecodeBackend
@@ -356,7 +356,7 @@ class DecodeEngine:
         this machine's cost profile by running the backend, which leaves slot 0's caches in use; they are
         freed before any request takes a slot (measuring between rounds corrupted live requests' KV)."""
         if not self._started:
-            self.generator.budget_policy.start(self.backend.backend)
+            start_policy(self.generator.budget_policy, self.backend.backend, self.max_batch)
             self.backend.release(0)
             self._started = True
 
