@@ -433,16 +433,23 @@ class AutoBudget:
         self, stats: AcceptanceStats, session: dict[int, float] | None = None
     ) -> dict[int, float]:
         """tau_i(k) of one request: its own mean accept length at k (`stats`, its rounds so far) shrunk
-        toward the session's estimate by `request_weight` pseudo-rounds, non-decreasing in k."""
+        toward the session's estimate by `request_weight` pseudo-rounds, non-decreasing in k. Above the
+        largest budget the request has observed, K, it is tau_i(K) plus what the session expects a larger
+        tree to add (session(k) - session(K)): a request that accepts little at K is not credited with
+        the session's acceptance at 2K."""
         session = self.estimates() if session is None else session
         out: dict[int, float] = {}
         best_so_far = 1.0
+        anchor: tuple[float, float] | None = None  # (tau_i(K), session(K)) at the last observed K
+        w = self.request_weight
         for k, est in session.items():
-            if k and k in stats.budgets:
-                n, mean = stats.count(k), stats.mean(k)
-                w = self.request_weight
-                if n > 0 and mean is not None:
-                    est = (w * est + n * mean) / (w + n)
+            n = stats.count(k) if k and k in stats.budgets else 0
+            if n > 0:
+                own = (w * est + n * float(stats.mean(k) or 0.0)) / (w + n)
+                anchor = (own, est)
+                est = own
+            elif anchor is not None:
+                est = anchor[0] + max(0.0, est - anchor[1])
             best_so_far = max(best_so_far, est)
             out[k] = best_so_far
         return out

@@ -1,0 +1,192 @@
+"""Continuous batching: throughput at batch 1, 2, 4, 8 for AR vs fixed budgets vs the batch-aware `auto`.
+
+    OMP_NUM_THREADS=1 python bench/batching.py --target data_gen/toy/assets/small \\
+        --head data_gen/toy/assets/small_head --batch 1 2 4 8 --budgets 0 4 16 auto \\
+        --requests 16 --max-tokens 48 --out bench/results/batching_toy.json
+
+No server in between (`bench/serve_load.py` measures through HTTP): the `DecodeEngine` itself, as a
+server steps it. For each batch size B and configuration (0 = AR: the same engine, batching and backend,
+no draft), a closed loop keeps B requests in flight (a new one joins as soon as one finishes) until
+`--requests` greedy requests are done; throughput = completion tokens over the loop's wall time. Every
+configuration first decodes `--warmup` requests untimed at that B (for `auto` that loads or measures this
+machine's cost profile up to B and lets the policy learn the head's acceptance; without a prior it probes).
+Configurations are interleaved per batch size and the whole grid is run `--repeats` times, so a burst of
+load on a shared machine hits all of them alike; the median over repeats is reported. Every request's
+tokens must equal the AR run's for the same prompt (the engine is lossless at every batch size and
+budget), or the bench stops with an error.
+
+Writes JSON to `--out`: per B and configuration, tokens/s (median and every repeat), the speedup over AR
+at the same B, p50 request latency, tau and the budgets played; for `auto` the cost profile's view (the
+expected speed of each budget at that B).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `python bench/batching.py` from anywhere
+    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+from budget_auto import read_prompts  # noqa: E402  (bench/budget_auto.py: the shared prompt reader)
+
+from jetflow_pl.decoding import SpeculativeGenerator  # noqa: E402
+from jetflow_pl.decoding.budget import AutoBudget  # noqa: E402
+from jetflow_pl.generate_cli import _load_tokenizer  # noqa: E402
+from jetflow_pl.head import DraftHead  # noqa: E402
+from jetflow_pl.runtime.torch_backend import TorchBackend  # noqa: E402
+from jetflow_pl.target import TargetModel  # noqa: E402
+
+DEFAULT_PROMPTS = REPO / "data_gen/toy/assets/heldout_prompts/math.jsonl"
+
+
+def closed_loop(
+    gen: SpeculativeGenerator, batch: int, prompts: list[list[int]], n: int, max_new: int
+) -> dict:
+    """`n` requests (request i: prompt i mod len) through one engine, `batch` in flight at a time."""
+    engine = gen.engine(max_batch=batch)
+    engine._start()  # the policy's cost profile is loaded (or measured) before the clock starts
+    handles: list = []
+    order = iter(range(n))
+    t0 = time.perf_counter()
+
+    def top_up() -> None:
+        while engine.num_active + engine.num_waiting < batch:
+            i = next(order, None)
+            if i is None:
+                return
+            handles.append((i, engine.submit(prompts[i % len(prompts)], max_new)))
+
+    top_up()
+    while not engine.idle:
+        engine.step()
+        top_up()
+    wall = time.perf_counter() - t0
+    results = [(i, h.result) for i, h in handles]
+    tokens = sum(len(r.tokens) for _, r in results)
+    rounds = [k for _, r in results for k in r.budgets]
+    accept = [a for _, r in results for a in r.accept_lengths]
+    return {
+        "wall_s": wall,
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall,
+        "latency_p50_s": statistics.median(r.latency_s for _, r in results),
+        "tau": sum(accept) / len(accept) if accept else 0.0,
+        "budgets_played": dict(Counter(rounds).most_common()),
+        "_outputs": {i: r.tokens for i, r in results},
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", type=Path, default=REPO / "data_gen/toy/assets/small")
+    p.add_argument("--head", type=Path, default=REPO / "data_gen/toy/assets/small_head")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--budgets", nargs="+", default=["0", "4", "16", "auto"])
+    p.add_argument("--requests", type=int, default=16, help="timed requests per batch size and config")
+    p.add_argument("--warmup", type=int, default=8, help="untimed requests first (auto learns there)")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--width", type=int, default=4)
+    p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
+    p.add_argument("--n-prompts", type=int, default=16)
+    p.add_argument("--cache-dir", type=Path, default=None, help="cost-profile cache (default: the machine's)")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args(argv)
+    if "0" not in args.budgets:
+        args.budgets = ["0", *args.budgets]  # the baseline and the lossless reference
+
+    import json
+
+    torch.manual_seed(0)
+    head = DraftHead.from_pretrained(str(args.head)).eval()
+    target = TargetModel.from_pretrained(args.target, head.config.target_layer_ids)
+    tokenizer = _load_tokenizer(args.target)
+    eos = tokenizer.eos_token_id
+    prompts = read_prompts(args.prompts, tokenizer, args.n_prompts, True)
+    cache_dir = args.cache_dir or Path(tempfile.mkdtemp(prefix="jetflow_costs_"))
+    measured: dict[str, dict[int, list[dict]]] = {b: {B: [] for B in args.batch} for b in args.budgets}
+    views: dict[int, dict] = {}
+    for rep in range(args.repeats):
+        for B in args.batch:
+            reference = None
+            for budget in args.budgets:
+                backend = TorchBackend(target, head, max_batch=B)
+                policy = AutoBudget(cache_dir=cache_dir) if budget == "auto" else int(budget)
+                gen = SpeculativeGenerator(backend, policy, args.width, eos_token_id=eos)
+                closed_loop(gen, B, prompts[::-1], args.warmup, args.max_tokens)  # untimed
+                level = closed_loop(gen, B, prompts, args.requests, args.max_tokens)
+                outputs = level.pop("_outputs")
+                if budget == "0":
+                    reference = outputs
+                elif outputs != reference:
+                    bad = [i for i in outputs if outputs[i] != reference[i]]
+                    raise SystemExit(f"budget {budget}, batch {B}: requests {bad} differ from AR")
+                measured[budget][B].append(level)
+                if budget == "auto" and rep == 0:
+                    cost = policy.cost
+                    views[B] = {
+                        "cost_at_B": {k: round(cost.cost(k, B), 3) for k in cost.budgets_at(B)},
+                        "t_B1_over_t1": cost.batch_ar_ratio(B),
+                        "session_tau": {k: round(v, 3) for k, v in policy.estimates().items()},
+                    }
+                print(
+                    f"rep {rep} batch {B} budget {budget}: {level['tokens_per_s']:.0f} tok/s, "
+                    f"tau {level['tau']:.2f}, budgets {level['budgets_played']}",
+                    flush=True,
+                )
+    table: dict[str, dict[str, dict]] = {}
+    for budget in args.budgets:
+        table[budget] = {}
+        for B in args.batch:
+            runs = measured[budget][B]
+            ar = statistics.median(r["tokens_per_s"] for r in measured["0"][B])
+            tps = statistics.median(r["tokens_per_s"] for r in runs)
+            table[budget][str(B)] = {
+                "tokens_per_s": tps,
+                "tokens_per_s_repeats": [r["tokens_per_s"] for r in runs],
+                "speedup_vs_ar": tps / ar,
+                "latency_p50_s": statistics.median(r["latency_p50_s"] for r in runs),
+                "tau": statistics.median(r["tau"] for r in runs),
+                "budgets_played": runs[-1]["budgets_played"],
+            }
+    out = {
+        "command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]),
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+        },
+        "settings": {
+            k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("out",)
+        },
+        "results": table,
+        "auto_cost_view": {str(B): v for B, v in views.items()},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    for budget in args.budgets:
+        row = " ".join(
+            f"B={B}: {table[budget][str(B)]['tokens_per_s']:.0f} ({table[budget][str(B)]['speedup_vs_ar']:.2f}x)"
+            for B in args.batch
+        )
+        print(f"budget {budget:>4}: {row}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

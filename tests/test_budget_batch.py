@@ -1,0 +1,387 @@
+"""The batch-aware `budget="auto"`: the batch dimension of the cost profile, the shared budget of a batched
+round, and lossless continuous batching with it.
+
+The chooser tests use hand-written cost profiles (no timing): what they assert is the decision rule at
+batch B, sum_i tau_i(k) / (B * cost(k, B)) against AR, with the costs of a CPU (a batched verify of B x N
+rows costs a lot more than B AR steps) and of a GPU (it costs about the same). The profile tests measure
+on the tiny random target with a tiny ladder and assert the structure, never the times.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import TINY_VOCAB
+
+from data_gen.toy import SMALL_HEAD_DIR, SMALL_TARGET_DIR, heldout_prompts
+from jetflow_pl.decoding import ARGenerator, SpeculativeGenerator
+from jetflow_pl.decoding.budget import (
+    LADDER_BUDGETS,
+    AcceptanceProfile,
+    AcceptanceStats,
+    AutoBudget,
+    choose_round_budget,
+    observe_round,
+)
+from jetflow_pl.decoding.cost_profile import (
+    LADDER_NODES,
+    CostProfile,
+    CostProfileMismatch,
+    batch_sizes_for,
+    cache_file,
+    cost_profile_for,
+    fingerprint,
+    measure_cost_profile,
+)
+from jetflow_pl.errors import UserInputError
+from jetflow_pl.head import DraftHead, DraftHeadConfig
+from jetflow_pl.runtime.torch_backend import TorchBackend
+from jetflow_pl.target import TargetModel
+from jetflow_pl.tree import DraftTree
+
+EOS = 1
+SMALL_LADDER = (1, 2, 5, 17)
+BATCHES = (2, 4, 8)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def profile(batch_slope: dict[int, float], slope: float = 0.02, draft: float = 0.2) -> CostProfile:
+    """t(1) = 1 s, t(N)/t(1) = 1 + slope (N - 1); per measured B: t(B, 1) = 0.5 B s (batching pays for
+    AR), t(B, N)/t(B, 1) = 1 + batch_slope[B] (N - 1), the batched draft 0.2 t(B, 1), no build time."""
+    sizes = sorted(batch_slope)
+    return CostProfile(
+        fingerprint={"machine": "synthetic"},
+        nodes=list(LADDER_NODES),
+        verify_s=[1.0 + slope * (n - 1) for n in LADDER_NODES],
+        build_s=[0.0] * len(LADDER_NODES),
+        draft_s=draft,
+        kv_len=256,
+        repeats=1,
+        batch_sizes=sizes,
+        batch_nodes=[list(LADDER_NODES) for _ in sizes],
+        batch_verify_s=[[0.5 * b * (1.0 + batch_slope[b] * (n - 1)) for n in LADDER_NODES] for b in sizes],
+        batch_build_s=[[0.0] * len(LADDER_NODES) for _ in sizes],
+        batch_draft_s=[0.5 * b * draft for b in sizes],
+    )
+
+
+#: a CPU: the batched verify turns compute-bound, each extra tree node costs more the larger the batch
+CPU = profile({2: 0.1, 4: 0.25, 8: 1.0})
+#: a GPU: a verify of B x N rows costs about what B AR steps cost, at every batch size measured
+GPU = profile({2: 0.005, 4: 0.006, 8: 0.008}, slope=0.005)
+
+#: the head's acceptance on this data: tau(k) = 1 + 0.5 bit_length(k + 1), at most 3.5
+TAU = {k: min(1.0 + 0.5 * (k + 1).bit_length(), 3.5) for k in LADDER_BUDGETS if k}
+
+
+def prior(tau: dict[int, float] = TAU, rounds: int = 100) -> AcceptanceProfile:
+    ks = sorted(tau)
+    return AcceptanceProfile(budgets=ks, tau=[tau[k] for k in ks], rounds=[rounds] * len(ks), width=4)
+
+
+class FakeBackend:
+    """Just what `AutoBudget.start` reads."""
+
+    block_size = 16
+    max_positions = 4096
+
+
+def started(policy: AutoBudget) -> AutoBudget:
+    policy.start(FakeBackend())
+    return policy
+
+
+def fresh(b: int) -> list[AcceptanceStats]:
+    """`b` requests that have played no round yet."""
+    return [AcceptanceStats(LADDER_BUDGETS) for _ in range(b)]
+
+
+def brute_force(cost: CostProfile, taus: list[dict[int, float]], b: int, min_gain: float) -> int:
+    """The rule written out independently: the k of the highest sum_i tau_i(k) / (b cost(k, b)), 0 unless
+    it beats AR (speed 1) by min_gain."""
+    best, best_speed = 0, min_gain
+    for k in cost.budgets_at(b):
+        if k:
+            v = sum(t[k] for t in taus) / (b * cost.cost(k, b))
+            if v > best_speed:
+                best, best_speed = k, v
+    return best
+
+
+def monotone(tau: dict[int, float]) -> dict[int, float]:
+    out, top = {}, 1.0
+    for k in sorted(tau):
+        top = max(top, tau[k])
+        out[k] = top
+    return out
+
+
+# ------------------------------------------------------------------------------------------ the cost at B
+def test_cost_at_batch_size_uses_the_measured_row_or_errs_toward_ar():
+    cpu = CPU
+    for b, slope in ((2, 0.1), (4, 0.25), (8, 1.0)):
+        # measured B: (t(B, k+1) + draft(B)) / t(B, 1)
+        assert cpu.cost(16, b) == pytest.approx(1 + slope * 16 + 0.2)
+    assert cpu.cost(0, 8) == 1.0 and cpu.cost(16, 1) == pytest.approx(1 + 0.02 * 16 + 0.2)
+    assert cpu.cost(16, 3) == cpu.cost(16, 4)  # between measured sizes: the larger one's (dearer) costs
+    assert cpu.cost(16, 16) == pytest.approx(2 * cpu.cost(16, 8))  # above: bounded by B / B_max times
+    no_batch = profile({})
+    assert no_batch.cost(16, 4) == pytest.approx(4 * no_batch.cost(16, 1))  # no batch dimension: B times
+    assert cpu.batch_ar_ratio(8) == pytest.approx(4.0) and cpu.batch_ar_ratio(3) is None
+    short = profile({4: 0.25})
+    short.batch_nodes[0] = short.batch_nodes[0][:4]  # the ladder at B = 4 stopped at N = 5
+    short.batch_verify_s[0] = short.batch_verify_s[0][:4]
+    short.batch_build_s[0] = short.batch_build_s[0][:4]
+    assert short.budgets_at(4) == [0, 1, 2, 4]
+    with pytest.raises(ValueError, match="not measured at batch 4"):
+        short.cost(16, 4)
+
+
+def test_inconsistent_batch_rows_are_one_clear_error():
+    good = CPU.to_dict()
+    bad = dict(good, batch_sizes=[4, 2, 8])
+    with pytest.raises(UserInputError, match="batch sizes must be > 1 and increase"):
+        CostProfile(**bad)
+    bad = dict(good, batch_draft_s=good["batch_draft_s"][:2])
+    with pytest.raises(UserInputError, match="per batch size"):
+        CostProfile(**bad)
+    bad = json.loads(json.dumps(good))
+    bad["batch_nodes"][1] = [2, 3]
+    with pytest.raises(UserInputError, match="at batch 4 must start at 1"):
+        CostProfile(**bad)
+
+
+# ------------------------------------------------------------------------------------------ the chooser
+def test_expensive_batched_verify_plays_ar_at_large_batch_and_drafts_alone():
+    pol = started(AutoBudget(CPU, prior()))
+    alone = pol.choose()
+    assert alone > 0 and alone == pol.best()
+    picks = {b: pol.best_batch(fresh(b)) for b in BATCHES}
+    assert picks[8] == 0  # no budget pays: plain AR rounds inside the batch
+    for b in BATCHES:  # the rule, with every request at the session estimate (no round of its own yet)
+        assert picks[b] == brute_force(CPU, [monotone(TAU)] * b, b, pol.min_gain)
+    assert picks[2] > 0 and picks[2] <= alone  # a batch of 2 still drafts, a smaller tree
+    # what `_round` calls: a batch of one is `choose()` (the batch-1 policy), a batch of 8 the shared rule
+    assert choose_round_budget(pol, fresh(1)) == alone
+    assert choose_round_budget(pol, fresh(8)) == 0
+
+
+def test_cheap_batched_verify_keeps_speculating_at_every_batch_size():
+    pol = started(AutoBudget(GPU, prior()))
+    alone = pol.best()
+    for b in BATCHES:
+        k = pol.best_batch(fresh(b))
+        assert k == brute_force(GPU, [monotone(TAU)] * b, b, pol.min_gain) > 0
+        assert pol.batch_speeds(fresh(b))[k] > 2.0  # far from the AR fallback
+    assert alone > 0
+
+
+def test_each_requests_own_acceptance_moves_the_shared_budget():
+    """The same session estimate, but requests whose own rounds accepted everything buy a larger tree
+    than requests whose rounds accepted nothing (the estimate per request is shrunk, not replaced)."""
+    pol = started(AutoBudget(GPU, prior(), request_weight=4.0))
+    easy, hard = fresh(4), fresh(4)
+    for _ in range(40):
+        for st in easy:
+            st.observe(list(range(16)), 64)  # 15 accepted along the path: tau(k) = min(k, 15) + 1
+        for st in hard:
+            st.observe([0], 64)  # nothing accepted: tau(k) = 1
+    k_easy, k_hard = pol.best_batch(easy), pol.best_batch(hard)
+    assert k_easy > k_hard
+    assert k_hard == 0  # 40 rounds of nothing outweigh 4 pseudo-rounds of the prior: AR
+    # the shrinkage by hand for one request and one budget: (w * session + n * own) / (w + n)
+    session = pol.estimates()
+    est = pol.request_estimates(easy[0], session)
+    assert est[8] == pytest.approx((4 * session[8] + 40 * 9.0) / 44)
+    # above the largest budget it observed (64): its own tau(64) plus the session's increment
+    hard_est = pol.request_estimates(hard[0], session)
+    assert hard_est[128] == pytest.approx(hard_est[64] + session[128] - session[64])
+    assert hard_est[128] < 1.25 < session[128]  # (4 * 3.5 + 40 * 1) / 44 = 1.23, not the prior 3.5
+
+
+def test_a_batch_round_is_one_round_of_the_schedule_and_feeds_the_session_estimate():
+    pol = started(AutoBudget(GPU, prior(rounds=2)))
+    reqs = fresh(4)
+    k = choose_round_budget(pol, reqs)
+    assert k > 0
+    trees = [DraftTree.chain(list(range(k + 1))) for _ in reqs]
+    observe_round(pol, trees, [[0, 1, 2]] * 4)  # every request accepted two drafts
+    assert pol._session_round == 1 and pol._round == 1  # one round, not four
+    assert pol.stats.count(k) == 4 and pol.stats.mean(k) == pytest.approx(3.0)  # four requests' rounds
+
+
+def test_without_prior_a_batch_probes_at_its_own_cost_then_learns():
+    pol = started(AutoBudget(CPU, None))
+    probe = pol.probe_budget(4)
+    assert 0 < probe < pol.probe_budget(1)  # a probe costs at most `probe_cost` batched AR steps
+    assert CPU.cost(probe, 4) <= pol.probe_cost
+    reqs = fresh(4)
+    assert pol.choose_batch(reqs) == probe
+    trees = [DraftTree.chain(list(range(probe + 1))) for _ in reqs]
+    pol.observe_batch(trees, [list(range(probe + 1))] * 4)  # everything accepted: drafting pays here
+    assert pol.best_batch(reqs) > 0
+
+
+# ------------------------------------------------------------------------------------------ measuring and caching
+def tiny_head(target: TargetModel, layers: int = 1) -> DraftHead:
+    torch.manual_seed(0)
+    cfg = DraftHeadConfig.for_target(
+        target.config, num_hidden_layers=layers, block_size=8, mask_token_id=TINY_VOCAB - 1
+    )
+    return DraftHead(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tiny_target_dir) -> TargetModel:
+    return TargetModel.from_pretrained(tiny_target_dir)
+
+
+def measure_kw() -> dict:
+    return {"kv_len": 32, "nodes": SMALL_LADDER, "repeats": 1, "batch_repeats": 1}
+
+
+def test_batch_sizes_follow_the_engine_and_the_backend_slots(tiny_target):
+    head = tiny_head(tiny_target)
+    assert batch_sizes_for(TorchBackend(tiny_target, head, max_batch=64)) == [2, 4, 8]  # the default cap
+    assert batch_sizes_for(TorchBackend(tiny_target, head, max_batch=64), 6) == [2, 4, 6]
+    assert batch_sizes_for(TorchBackend(tiny_target, head, max_batch=3), 8) == [2, 3]
+    assert batch_sizes_for(TorchBackend(tiny_target, head, max_batch=1), 8) == []
+    assert batch_sizes_for(TorchBackend(tiny_target, head), 1) == []
+
+
+def test_measured_batch_dimension_and_the_backend_left_clean(tiny_target):
+    backend = TorchBackend(tiny_target, tiny_head(tiny_target), max_batch=4)
+    prof = measure_cost_profile(backend, max_batch=4, **measure_kw())
+    assert prof.batch_sizes == [2, 4] and prof.max_measured_batch == 4
+    for b, nodes in zip(prof.batch_sizes, prof.batch_nodes, strict=True):
+        assert nodes[0] == 1 and set(nodes) <= set(SMALL_LADDER) and len(nodes) >= 2
+        ratios = [prof.cost(n - 1, b) for n in nodes]
+        assert ratios[0] == 1.0 and all(r > 1.0 for r in ratios[1:])  # a draft costs something
+        verify = prof.batch_verify_s[prof.batch_sizes.index(b)]
+        assert all(x <= y for x, y in zip(verify, verify[1:], strict=False))  # monotone fit in N
+    assert "batch 4:" in prof.summary()
+    # every slot it used is free again and the backend decodes as before
+    assert all(backend.past_length(s) == 0 and backend.kv.group(s).size == 1 for s in range(4))
+    assert backend.prefill(torch.tensor([3, 4, 5]), 1).shape == (TINY_VOCAB,)
+
+
+def test_profile_cache_round_trips_completes_and_refuses_another_model(tiny_target, tmp_path, monkeypatch):
+    monkeypatch.setenv("JETFLOW_PL_CACHE_DIR", str(tmp_path))
+    backend = TorchBackend(tiny_target, tiny_head(tiny_target), max_batch=8)
+    first = cost_profile_for(backend, max_batch=4, **measure_kw())
+    path = cache_file(fingerprint(backend))
+    assert path.is_file() and path.is_relative_to(tmp_path) and first.batch_sizes == [2, 4]
+    loaded = CostProfile.load(path)
+    assert loaded == first and loaded.version == 2  # every field survives the JSON round trip
+
+    import jetflow_pl.decoding.cost_profile as cp
+
+    asked: list[list[int]] = []
+    real = cp.measure_batch_costs
+
+    def recording(backend, sizes, *a, **k):
+        asked.append(list(sizes))
+        return real(backend, sizes, *a, **k)
+
+    def no_measuring(*a, **k):
+        raise AssertionError("a cached, matching profile must not be re-measured")
+
+    monkeypatch.setattr(cp, "measure_cost_profile", no_measuring)
+    monkeypatch.setattr(cp, "measure_batch_costs", recording)
+    assert cost_profile_for(backend, max_batch=4).batch_sizes == [2, 4] and asked == []  # covered
+    wider = cost_profile_for(backend, max_batch=8)  # the engine now batches 8: only B = 8 is measured
+    assert asked == [[8]] and wider.batch_sizes == [2, 4, 8] and wider.verify_s == first.verify_s
+    assert CostProfile.load(path).batch_sizes == [2, 4, 8]  # and the cache file now holds it
+
+    # a version-1 file (no batch dimension) still loads; its batch sizes are measured and written back
+    old = {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("batch_")}
+    old["version"] = 1
+    v1 = tmp_path / "v1.json"
+    v1.write_text(json.dumps(old))
+    assert CostProfile.load(v1).batch_sizes == []
+    asked.clear()
+    upgraded = cost_profile_for(backend, v1, max_batch=2)
+    assert asked == [[2]] and upgraded.batch_sizes == [2]
+    assert json.loads(v1.read_text())["version"] == 2 and CostProfile.load(v1).batch_sizes == [2]
+
+    # a profile measured for another head stays refused, whatever its batch dimension
+    other = TorchBackend(tiny_target, tiny_head(tiny_target, layers=2), max_batch=8)
+    with pytest.raises(CostProfileMismatch, match="measured for another model or machine"):
+        cost_profile_for(other, v1, max_batch=2)
+    with pytest.raises(UserInputError, match="expected one of"):
+        CostProfile.load(_with_version(v1, tmp_path, 9))
+
+
+def _with_version(src, tmp_path, version: int):
+    data = json.loads(src.read_text())
+    data["version"] = version
+    out = tmp_path / f"v{version}.json"
+    out.write_text(json.dumps(data))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ lossless batching
+pair_needed = pytest.mark.skipif(
+    not (SMALL_HEAD_DIR / "model.safetensors").is_file(), reason="shipped toy head missing"
+)
+
+
+@pytest.fixture(scope="module")
+def toy():
+    """The shipped toy pair, 8 held-out prompts and each one's greedy AR tokens decoded alone."""
+    from transformers import AutoTokenizer
+
+    from data_gen.toy.tokenizer import prompt_ids
+
+    head = DraftHead.from_pretrained(str(SMALL_HEAD_DIR)).eval()
+    target = TargetModel.from_pretrained(SMALL_TARGET_DIR, head.config.target_layer_ids)
+    tok = AutoTokenizer.from_pretrained(SMALL_TARGET_DIR)
+    prompts = [prompt_ids(tok, r["prompt"]) for r in heldout_prompts("math", 8)]
+    ar = ARGenerator(TorchBackend(target), eos_token_id=EOS)
+    return head, target, prompts, [ar.generate(p, 24).tokens for p in prompts]
+
+
+def closed_loop(engine, prompts, max_new: int):
+    """Keep the engine full: a new request joins as soon as one finishes; (handles, most decoding at once)."""
+    handles, pending, peak = [], list(prompts), 0
+    while pending or not engine.idle:
+        while pending and engine.num_active + engine.num_waiting < engine.max_batch:
+            handles.append(engine.submit(pending.pop(0), max_new))
+        engine.step()
+        peak = max(peak, len(engine._decoding))
+    return handles, peak
+
+
+@pair_needed
+@pytest.mark.parametrize("batch", (1, 2, 4, 8))
+def test_batch_aware_auto_is_lossless_at_every_batch_size(toy, batch):
+    """A GPU-like injected profile, so `auto` really drafts inside batches (shared budgets that change
+    from round to round): every request's tokens equal its AR tokens decoded alone."""
+    head, target, prompts, refs = toy
+    pol = AutoBudget(GPU, prior(), explore_every=1, explore_margin=0.9)
+    gen = SpeculativeGenerator(TorchBackend(target, head, max_batch=batch), pol, width=4, eos_token_id=EOS)
+    engine = gen.engine(max_batch=batch, prefill_chunk=None)  # whole prompts: the batch fills at once
+    handles, peak = closed_loop(engine, prompts, 24)
+    for h, ref in zip(handles, refs, strict=True):
+        assert h.done and h.tokens == ref[:24]
+    assert peak == batch  # the batch really filled
+    played = {k for h in handles for k in h.result.budgets}
+    assert len(played - {0}) >= 2, played  # drafted, at more than one budget
+    assert sum(h.result.tau for h in handles) / len(handles) > 1.5  # multi-token acceptance happened
+
+
+@pair_needed
+def test_measured_batch_profile_in_a_live_engine_is_lossless(toy, tmp_path, monkeypatch):
+    """`auto` with no cached profile at batch 4: the engine measures batch sizes 2 and 4 (slots 0..3)
+    before any request owns KV, and the requests come out exact."""
+    monkeypatch.setenv("JETFLOW_PL_CACHE_DIR", str(tmp_path))
+    head, target, prompts, refs = toy
+    gen = SpeculativeGenerator(TorchBackend(target, head, max_batch=4), "auto", width=4, eos_token_id=EOS)
+    handles, peak = closed_loop(gen.engine(max_batch=4), prompts, 24)
+    for h, ref in zip(handles, refs, strict=True):
+        assert h.tokens == ref[:24]
+    assert peak == 4
+    (cached,) = (tmp_path / "cost_profiles").glob("*.json")
+    assert CostProfile.load(cached).batch_sizes == [2, 4]
