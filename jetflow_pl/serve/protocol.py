@@ -183,58 +183,37 @@ def openai_finish_reason(engine_reason: str | None, stopped_by_string: bool) -> 
     return engine_reason
 
 
+def _choice(content: dict[str, Any], finish: str | None, token_ids: list[int] | None) -> dict:
+    """One choice: its content (`text`, `message` or `delta`), then the fields every choice carries."""
+    choice: dict[str, Any] = {"index": 0, **content, "logprobs": None, "finish_reason": finish}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return choice
+
+
+def _envelope(rid: str, model: str, obj: str, choices: list[dict], **rest: Any) -> dict:
+    """The fields every response and stream chunk shares, then `rest` (usage, extensions)."""
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": choices, **rest}
+
+
 def completion_body(
     rid: str, model: str, text: str, finish: str | None, use: dict, extra: dict, token_ids: list[int] | None
 ) -> dict:
-    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-        "usage": use,
-        **extra,
-    }
+    choice = _choice({"text": text}, finish, token_ids)
+    return _envelope(rid, model, "text_completion", [choice], usage=use, **extra)
 
 
 def chat_body(
     rid: str, model: str, text: str, finish: str | None, use: dict, extra: dict, token_ids: list[int] | None
 ) -> dict:
-    choice: dict[str, Any] = {
-        "index": 0,
-        "message": {"role": "assistant", "content": text},
-        "logprobs": None,
-        "finish_reason": finish,
-    }
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-        "usage": use,
-        **extra,
-    }
+    choice = _choice({"message": {"role": "assistant", "content": text}}, finish, token_ids)
+    return _envelope(rid, model, "chat.completion", [choice], usage=use, **extra)
 
 
 def completion_chunk(
     rid: str, model: str, text: str, finish: str | None, token_ids: list[int] | None = None
 ) -> dict:
-    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-    }
+    return _envelope(rid, model, "text_completion", [_choice({"text": text}, finish, token_ids)])
 
 
 def chat_chunk(
@@ -244,25 +223,9 @@ def chat_chunk(
     finish: str | None,
     token_ids: list[int] | None = None,
 ) -> dict:
-    choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-    if token_ids is not None:
-        choice["token_ids"] = token_ids
-    return {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-    }
+    return _envelope(rid, model, "chat.completion.chunk", [_choice({"delta": delta}, finish, token_ids)])
 
 
 def usage_chunk(rid: str, model: str, obj: str, use: dict) -> dict:
     """The last chunk of a stream with `stream_options.include_usage`: no choices, the usage."""
-    return {
-        "id": rid,
-        "object": obj,
-        "created": int(time.time()),
-        "model": model,
-        "choices": [],
-        "usage": use,
-    }
+    return _envelope(rid, model, obj, [], usage=use)
