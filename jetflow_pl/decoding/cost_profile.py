@@ -409,6 +409,15 @@ def ladder_for(
 
 
 @torch.no_grad()
+def _measurement_setup(backend: DecodeBackend, kv_len: int, nodes: Sequence[int], seed: int):
+    """What every measurement starts from: the tree-size ladder and KV length the backend allows, its
+    device, a seeded random prompt of `kv_len` tokens and its last token as the anchor."""
+    ladder, kv_len = ladder_for(backend, kv_len, nodes)
+    vocab = vocab_size(backend) or 2
+    prompt = torch.randint(0, vocab, (kv_len,), generator=torch.Generator().manual_seed(seed))
+    return ladder, kv_len, _backend_device(backend), prompt, int(prompt[-1])
+
+
 def measure_cost_profile(
     backend: DecodeBackend,
     kv_len: int = DEFAULT_KV_LEN,
@@ -439,12 +448,7 @@ def measure_cost_profile(
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     t_start = time.perf_counter()
-    ladder, kv_len = ladder_for(backend, kv_len, nodes)
-    device = _backend_device(backend)
-    vocab = vocab_size(backend) or 2
-    g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, vocab, (kv_len,), generator=g)
-    anchor = int(prompt[-1])
+    ladder, kv_len, device, prompt, anchor = _measurement_setup(backend, kv_len, nodes, seed)
 
     def one_round(n: int) -> tuple[float, float, float]:
         """(draft, build, verify + accept + commit) seconds of one round with a tree of `n` nodes."""
@@ -567,12 +571,7 @@ def measure_batch_costs(
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    ladder, kv_len = ladder_for(backend, kv_len, nodes)
-    device = _backend_device(backend)
-    vocab = vocab_size(backend) or 2
-    g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, vocab, (kv_len,), generator=g)
-    anchor = int(prompt[-1])
+    ladder, kv_len, device, prompt, anchor = _measurement_setup(backend, kv_len, nodes, seed)
     most_tokens = max(int(backend.block_size), 1)
     out: dict[str, list] = {k: [] for k in ("sizes", "nodes", "verify_s", "build_s", "draft_s")}
     for b in sorted(set(int(x) for x in batch_sizes)):
