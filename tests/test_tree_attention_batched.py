@@ -26,6 +26,7 @@ from jetflow_pl.runtime.contract import (
     TREE_ATTENTION_DOMAIN,
     TREE_ATTENTION_OP,
 )
+from jetflow_pl.runtime.ort_session import make_session, session_from_model
 from jetflow_pl.tree import DraftTree
 
 # Outputs are convex combinations of N(0, 1) values (|out| < ~4); two fp32 evaluations of the same
@@ -240,56 +241,10 @@ def _export(fn, example, path, opset: int, with_lengths: bool) -> onnx.ModelProt
     return model
 
 
-_PYOP_BATCHED = "JetflowTestTreeAttentionWithLengths"
-_registered = False
-
-
 def _plugin_session(model: onnx.ModelProto):
-    """ORT session for a plugin-form graph whose TreeAttention nodes carry `past_lengths` (7 inputs).
-
-    The library's loader (`jetflow_pl.runtime.ort_session`) serves the 6-input node; onnxruntime-extensions
-    Python ops have a fixed arity, so this test registers a 7-input op computing the reference and points
-    the nodes at it in memory, as that loader does with the node domain.
-    """
-    global _registered
-    import onnxruntime as ort
-    from onnxruntime_extensions import PyCustomOpDef as dt
-    from onnxruntime_extensions import get_library_path, onnx_op
-
-    if not _registered:
-
-        @onnx_op(
-            op_type=_PYOP_BATCHED,
-            domain="ai.onnx.contrib",
-            inputs=[dt.dt_float] * 5 + [dt.dt_int32, dt.dt_int32],
-            outputs=[dt.dt_float],
-            attrs={
-                "scale": dt.dt_float,
-                "num_heads": dt.dt_int64,
-                "num_kv_heads": dt.dt_int64,
-                "head_size": dt.dt_int64,
-                "plugin_version": dt.dt_string,
-                "plugin_namespace": dt.dt_string,
-            },
-        )
-        def _pyop(query, past_key, past_value, key, value, packed_mask, past_lengths, **attrs):
-            t = [torch.from_numpy(np.ascontiguousarray(a)) for a in (query, past_key, past_value, key, value)]
-            mask = torch.from_numpy(np.ascontiguousarray(packed_mask, dtype=np.int32))
-            lengths = torch.from_numpy(np.ascontiguousarray(past_lengths, dtype=np.int32))
-            with torch.no_grad():
-                return tree_attention_reference(*t, mask, float(attrs["scale"]), lengths).numpy()
-
-        _registered = True
-    model = onnx.ModelProto.FromString(model.SerializeToString())
-    for node in model.graph.node:
-        if node.domain == TREE_ATTENTION_DOMAIN:
-            node.domain, node.op_type = "ai.onnx.contrib", _PYOP_BATCHED
-    imports = [o for o in model.opset_import if o.domain != TREE_ATTENTION_DOMAIN]
-    del model.opset_import[:]
-    model.opset_import.extend([*imports, onnx.helper.make_opsetid("ai.onnx.contrib", 1)])
-    options = ort.SessionOptions()
-    options.register_custom_ops_library(get_library_path())
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    """ORT session for a plugin-form graph (TreeAttention nodes with 6 or 7 inputs) through the library's
+    loader, which serves both node forms as Python ops (`jetflow_pl.runtime.ort_session`)."""
+    return session_from_model(onnx.ModelProto.FromString(model.SerializeToString()))
 
 
 def _feeds(session, args) -> dict:
@@ -339,8 +294,6 @@ def test_batched_export_matches_eager_on_onnxruntime(form, opset, tmp_path):
 def test_batch1_plugin_export_keeps_six_inputs_and_runs_on_the_library_loader(tmp_path):
     """Without past_lengths the node is the old 6-input one, and per-request masks run through the
     existing onnxruntime-extensions loader unchanged."""
-    from jetflow_pl.runtime.ort_session import make_session
-
     example, _, _ = make_batch([6, 6], [4, 4], 2, 2, 16, seed=3, pad_past=0)
     inputs = tuple(example[:6])
     model = _export(tree_attention, inputs, tmp_path / "p.onnx", 20, False)

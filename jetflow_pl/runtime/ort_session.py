@@ -2,8 +2,10 @@
 
 `plugin` graphs carry `jetflow::TreeAttention` nodes (meant for the TensorRT plugin). On plain ONNX
 Runtime they run through an onnxruntime-extensions Python custom op that computes the reference
-implementation. onnxruntime-extensions only serves Python ops in the domain `ai.onnx.contrib`, so the
-loader rewrites the node domain in memory before building the session; the file on disk is untouched.
+implementation. onnxruntime-extensions only serves Python ops in the domain `ai.onnx.contrib`, and a
+Python op has a fixed arity, so the loader rewrites the nodes in memory before building the session: the
+domain, and for the batched node (7 inputs: `past_lengths` last) the op type of its own Python op. The
+file on disk is untouched.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from jetflow_pl.runtime.contract import TREE_ATTENTION_DOMAIN, TREE_ATTENTION_OP
 
 #: the only domain onnxruntime-extensions accepts for Python custom ops
 PYOP_DOMAIN = "ai.onnx.contrib"
+#: the Python op serving the 7-input node (per-request KV lengths)
+PYOP_WITH_LENGTHS = TREE_ATTENTION_OP + "WithLengths"
 _PYOP_REGISTERED = False
 
 
@@ -37,30 +41,39 @@ def _register_tree_attention_pyop() -> None:
     from jetflow_pl.ops import tree_attention_reference
 
     dt = PyCustomOpDef
-    floats = [dt.dt_float] * 5
+    attrs = {
+        "scale": dt.dt_float,
+        "num_heads": dt.dt_int64,
+        "num_kv_heads": dt.dt_int64,
+        "head_size": dt.dt_int64,
+        "plugin_version": dt.dt_string,
+        "plugin_namespace": dt.dt_string,
+    }
+
+    def run(arrays, scale: float, past_lengths=None):
+        tensors = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays[:5]]
+        mask = torch.from_numpy(np.ascontiguousarray(arrays[5], dtype=np.int32))
+        lengths = None
+        if past_lengths is not None:
+            lengths = torch.from_numpy(np.ascontiguousarray(past_lengths, dtype=np.int32))
+        with torch.no_grad():
+            return tree_attention_reference(*tensors, mask, float(scale), lengths).numpy()
+
+    inputs = [dt.dt_float] * 5 + [dt.dt_int32]
+
+    @onnx_op(op_type=TREE_ATTENTION_OP, domain=PYOP_DOMAIN, inputs=inputs, outputs=[dt.dt_float], attrs=attrs)
+    def tree_attention_pyop(query, past_key, past_value, key, value, packed_mask, **kw):
+        return run((query, past_key, past_value, key, value, packed_mask), kw["scale"])
 
     @onnx_op(
-        op_type=TREE_ATTENTION_OP,
+        op_type=PYOP_WITH_LENGTHS,
         domain=PYOP_DOMAIN,
-        inputs=[*floats, dt.dt_int32],
+        inputs=[*inputs, dt.dt_int32],
         outputs=[dt.dt_float],
-        attrs={
-            "scale": dt.dt_float,
-            "num_heads": dt.dt_int64,
-            "num_kv_heads": dt.dt_int64,
-            "head_size": dt.dt_int64,
-            "plugin_version": dt.dt_string,
-            "plugin_namespace": dt.dt_string,
-        },
+        attrs=attrs,
     )
-    def tree_attention_pyop(query, past_key, past_value, key, value, packed_mask, **attrs):
-        tensors = [
-            torch.from_numpy(np.ascontiguousarray(a)) for a in (query, past_key, past_value, key, value)
-        ]
-        mask = torch.from_numpy(np.ascontiguousarray(packed_mask, dtype=np.int32))
-        with torch.no_grad():
-            out = tree_attention_reference(*tensors, mask, float(attrs["scale"]))
-        return out.numpy()
+    def tree_attention_lengths_pyop(query, past_key, past_value, key, value, packed_mask, past_lengths, **kw):
+        return run((query, past_key, past_value, key, value, packed_mask), kw["scale"], past_lengths)
 
     _PYOP_REGISTERED = True
 
@@ -74,6 +87,8 @@ def _retarget_domain(model: onnx.ModelProto) -> onnx.ModelProto:
     for node in model.graph.node:
         if node.domain == TREE_ATTENTION_DOMAIN:
             node.domain = PYOP_DOMAIN
+            if len(node.input) == 7:
+                node.op_type = PYOP_WITH_LENGTHS
     imports = [o for o in model.opset_import if o.domain != TREE_ATTENTION_DOMAIN]
     del model.opset_import[:]
     model.opset_import.extend(imports)
@@ -84,15 +99,20 @@ def _retarget_domain(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def make_session(path: str | Path, intra_op_threads: int | None = None):
     """An ONNX Runtime CPU session for an exported graph (either variant)."""
-    import onnxruntime as ort
-
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"ONNX graph not found: {path}")
+    return session_from_model(onnx.load(str(path)), intra_op_threads)
+
+
+def session_from_model(model: onnx.ModelProto, intra_op_threads: int | None = None):
+    """An ONNX Runtime CPU session for a graph in memory (`model` is rewritten in place when it carries
+    TreeAttention nodes)."""
+    import onnxruntime as ort
+
     options = ort.SessionOptions()
     if intra_op_threads is not None:
         options.intra_op_num_threads = int(intra_op_threads)
-    model = onnx.load(str(path))
     if uses_tree_attention_nodes(model):
         _register_tree_attention_pyop()
         from onnxruntime_extensions import get_library_path
