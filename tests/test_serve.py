@@ -296,6 +296,19 @@ def test_completions_greedy_equal_in_process(pair, client, texts, completion_ref
     assert sum(taus) / len(taus) > 1.5
 
 
+def test_completions_token_id_prompt_echoes_prompt_token_ids(pair, client, texts, completion_refs):
+    """Token ids in, token ids out (what regeneration through an endpoint relies on): a prompt sent as ids
+    gives the same tokens as its text, and `return_token_ids` echoes the ids the engine ran on."""
+    ids = encode_prompt(pair[2], texts[0], chat=False)
+    kw = {"model": MODEL, "max_tokens": MAX_NEW, "temperature": 0, "extra_body": {"return_token_ids": True}}
+    by_ids = client.completions.create(prompt=ids, **kw).choices[0]
+    by_text = client.completions.create(prompt=texts[0], **kw).choices[0]
+    assert by_ids.token_ids == by_text.token_ids == completion_refs[0]
+    assert by_ids.prompt_token_ids == by_text.prompt_token_ids == ids
+    plain = client.completions.create(prompt=ids, model=MODEL, max_tokens=4, temperature=0).choices[0]
+    assert "prompt_token_ids" not in plain.model_extra and "token_ids" not in plain.model_extra
+
+
 def test_completions_stream_equal_in_process(pair, client, texts, completion_refs):
     for text, ref in zip(texts[3:5], completion_refs[3:5], strict=True):
         got, ids, chunks = completion_tokens_stream(

@@ -10,7 +10,8 @@ cancelled in the engine at once, which frees its KV slot. A request whose output
 with a 500 (`faults.FaultGuard`); mid-stream, where the status is already sent, as an error chunk.
 
 Extensions, as vLLM spells them: `top_k`, `ignore_eos`, `return_token_ids` (the generated ids on each
-choice/chunk: the lossless check through the server), and a `jetflow` object on non-streamed responses
+choice/chunk: the lossless check through the server; a non-streamed completion also echoes the
+`prompt_token_ids` the engine ran on), and a `jetflow` object on non-streamed responses
 (tau, rounds, TTFT and latency of the request).
 """
 
@@ -227,7 +228,7 @@ def create_app(
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        return await _collect(ticket, text, rid, chat, len(ids), body, request)
+        return await _collect(ticket, text, rid, chat, ids, body, request)
 
     def _map_error(err: BaseException) -> P.ServeError:
         if isinstance(err, EngineFull):
@@ -249,7 +250,7 @@ def create_app(
         text: TextStream,
         rid: str,
         chat: bool,
-        n_prompt: int,
+        prompt: list[int],
         body: P._Sampling,
         request: Request,
     ) -> Response:
@@ -277,11 +278,15 @@ def create_app(
         finally:
             ticket.finished = True
         finish = P.openai_finish_reason(reason, text.stopped)
-        use = P.usage(n_prompt, len(text.tokens))
+        use = P.usage(len(prompt), len(text.tokens))
         extra = {"jetflow": _stats(result)} if result is not None else {}
         ids = list(text.tokens) if body.return_token_ids else None
-        build = P.chat_body if chat else P.completion_body
-        return JSONResponse(build(rid, config.model_name, text.text, finish, use, extra, ids))
+        if chat:
+            return JSONResponse(P.chat_body(rid, config.model_name, text.text, finish, use, extra, ids))
+        prompt_ids = prompt if body.return_token_ids else None
+        return JSONResponse(
+            P.completion_body(rid, config.model_name, text.text, finish, use, extra, ids, prompt_ids)
+        )
 
     async def _stream(
         ticket: Ticket, text: TextStream, rid: str, chat: bool, n_prompt: int, body: P._Sampling

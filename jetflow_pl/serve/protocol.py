@@ -4,7 +4,8 @@ the error JSON.
 Only what the engine can honour is accepted: one choice (`n=1`), no logprobs/echo/penalties/tools; such
 a request is refused with a 400 that names the field, as OpenAI does for a bad parameter, rather than
 silently answered as if the parameter had been applied. Unknown extra fields are ignored (clients send
-vendor fields freely). Extensions, as vLLM spells them: `top_k`, `ignore_eos`, `return_token_ids`.
+vendor fields freely). Extensions, as vLLM spells them: `top_k`, `ignore_eos`, `return_token_ids` (the
+generated ids as `token_ids` on each choice; a non-streamed completion also carries `prompt_token_ids`).
 """
 
 from __future__ import annotations
@@ -183,11 +184,18 @@ def openai_finish_reason(engine_reason: str | None, stopped_by_string: bool) -> 
     return engine_reason
 
 
-def _choice(content: dict[str, Any], finish: str | None, token_ids: list[int] | None) -> dict:
+def _choice(
+    content: dict[str, Any],
+    finish: str | None,
+    token_ids: list[int] | None,
+    prompt_token_ids: list[int] | None = None,
+) -> dict:
     """One choice: its content (`text`, `message` or `delta`), then the fields every choice carries."""
     choice: dict[str, Any] = {"index": 0, **content, "logprobs": None, "finish_reason": finish}
     if token_ids is not None:
         choice["token_ids"] = token_ids
+    if prompt_token_ids is not None:
+        choice["prompt_token_ids"] = prompt_token_ids
     return choice
 
 
@@ -197,9 +205,18 @@ def _envelope(rid: str, model: str, obj: str, choices: list[dict], **rest: Any) 
 
 
 def completion_body(
-    rid: str, model: str, text: str, finish: str | None, use: dict, extra: dict, token_ids: list[int] | None
+    rid: str,
+    model: str,
+    text: str,
+    finish: str | None,
+    use: dict,
+    extra: dict,
+    token_ids: list[int] | None,
+    prompt_token_ids: list[int] | None = None,
 ) -> dict:
-    choice = _choice({"text": text}, finish, token_ids)
+    """A `/v1/completions` answer; with `return_token_ids` the choice carries the generated ids and the
+    prompt ids the engine ran on (vLLM's `token_ids` / `prompt_token_ids`)."""
+    choice = _choice({"text": text}, finish, token_ids, prompt_token_ids)
     return _envelope(rid, model, "text_completion", [choice], usage=use, **extra)
 
 
