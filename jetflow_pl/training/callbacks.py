@@ -1,11 +1,20 @@
 """Callbacks of the distillation stage.
 
 - `AcceptanceLengthCallback`: every `every_n_steps` optimizer steps (and once when training ends) runs the
-  real `SpeculativeGenerator` (greedy, tree budget/width) with the current head on held-out prompts and
-  logs `val/tau`: tokens committed per target verify forward, the metric of docs/DESIGN.md section 4.
+  real `SpeculativeGenerator` (greedy, tree width) with the current head on held-out prompts, once per
+  budget of the curve (`budgets`), and logs `val/tau@<k>` for each and `val/tau` at the main `budget`:
+  tokens committed per target verify forward, the metric of docs/DESIGN.md section 4.
 - `HFHeadExport`: writes the head with `save_pretrained` as `<dirpath>/last` (at the end of training, and
   every `every_n_steps` if set) and `<dirpath>/best` (whenever the monitored metric, `val/tau` by
-  default, improves); both load with `DraftHead.from_pretrained`.
+  default or a curve point such as `val/tau@16`, improves); both load with `DraftHead.from_pretrained`.
+
+Why one real decode per budget rather than one decode at the largest budget with the nested-tree
+estimate of the smaller ones (`decoding.budget.AcceptanceStats`): the estimate averages, over the rounds
+of the budget-K run, what a smaller tree would have accepted from the SAME anchors, while a budget-k
+decode commits fewer tokens per round and so starts its rounds elsewhere. Measured on the toy (shipped
+small head, 20 held-out math prompts, 128 tokens, width 4) the estimate misses the real tau(64) by 4%
+(4.19 vs 4.38), about the gap between the heads the curve is meant to rank (docs/DISTILLATION.md), for
+a saving of under half the decode time; so every curve point is the real number at its budget.
 
 Both work under every strategy: values that decide an export are broadcast from rank 0 (so every rank
 takes the same branch of a collective), and under FSDP the head's full weights are gathered on every
@@ -20,12 +29,16 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
 from jetflow_pl.errors import UserInputError
+
+if TYPE_CHECKING:
+    from jetflow_pl.runtime.backend import DecodeBackend
 
 
 @contextmanager
@@ -55,6 +68,30 @@ def _log_value(trainer: Trainer, name: str, value: float) -> None:
     trainer.callback_metrics[name] = torch.tensor(float(value))
 
 
+def _tau_budgets(budget: int | None, budgets: list[int] | None) -> tuple[int, list[int]]:
+    """The main budget and the sorted curve budgets (the main one included), or one `UserInputError`."""
+    if budget is not None and int(budget) < 1:
+        raise UserInputError(f"AcceptanceLengthCallback: budget must be >= 1, got {budget}")
+    if budgets is None:
+        main = 64 if budget is None else int(budget)
+        return main, [main]
+    curve = [int(k) for k in budgets]
+    problem = None
+    if not curve:
+        problem = "is empty"
+    elif min(curve) < 1:
+        problem = "holds a budget < 1"
+    elif len(set(curve)) != len(curve):
+        problem = "repeats a budget"
+    if problem is not None:
+        raise UserInputError(
+            f"AcceptanceLengthCallback: budgets {list(budgets)} {problem}; give distinct draft budgets "
+            ">= 1, e.g. budgets: [16, 64, 256]"
+        )
+    main = max(curve) if budget is None else int(budget)
+    return main, sorted({*curve, main})
+
+
 class AcceptanceLengthCallback(Callback):
     """Real acceptance length (`val/tau`) of speculative decoding on held-out prompts.
 
@@ -64,9 +101,18 @@ class AcceptanceLengthCallback(Callback):
     the target tokenizer (`jetflow_pl.chat`), or tokenized raw with `chat_template: false`. The toy
     held-out sets ship as `data_gen/toy/assets/heldout_prompts/<domain>.jsonl`.
 
+    Tau vs budget: `budgets: [16, 64, 256]` decodes the prompts once per listed budget and logs
+    `val/tau@16`, `val/tau@64`, `val/tau@256` (each a real decode at that budget, see the module doc), so
+    `HFHeadExport(monitor="val/tau@16")` keeps the head that is best at the budget it will serve at.
+    `val/tau` is the value at the main `budget` (measured even when not listed). The cost is one decode
+    of the prompts per budget.
+
     Args:
         every_n_steps: measure after every `every_n_steps` optimizer steps (0 = only at the end).
-        budget, width: draft tree budget (root excluded) and fan-out.
+        budget: the main draft tree budget (root excluded), logged as `val/tau` (and `val/tau@<budget>`).
+            Default: the largest of `budgets`, or 64 without them.
+        budgets: the budgets of the tau curve (distinct, >= 1; None = the main budget alone).
+        width: the tree's fan-out (the same at every budget).
         prompts_file: the held-out prompts (see above).
         num_prompts: use the first `num_prompts` rows (None = all).
         max_new_tokens: tokens generated per prompt.
@@ -75,14 +121,15 @@ class AcceptanceLengthCallback(Callback):
         prompt_field, messages_field, split: where the prompt is in a row; the split of a `DatasetDict`.
         prompt_token_ids: explicit prompts as token id lists instead of a file (then no tokenizer is needed).
         at_train_end: also measure once when training ends.
-        metric_name: the logged name.
+        metric_name: the logged name of the main value; curve points are `<metric_name>@<k>`.
     """
 
     def __init__(
         self,
         every_n_steps: int = 200,
-        budget: int = 64,
+        budget: int | None = None,
         width: int = 4,
+        budgets: list[int] | None = None,
         prompts_file: str | None = None,
         num_prompts: int | None = None,
         max_new_tokens: int = 128,
@@ -97,8 +144,9 @@ class AcceptanceLengthCallback(Callback):
     ) -> None:
         if every_n_steps < 0:
             raise ValueError(f"every_n_steps must be >= 0, got {every_n_steps}")
-        if budget < 1 or width < 1 or max_new_tokens < 1:
-            raise ValueError("budget, width and max_new_tokens must be >= 1")
+        if width < 1 or max_new_tokens < 1:
+            raise ValueError("width and max_new_tokens must be >= 1")
+        self.budget, self.budgets = _tau_budgets(budget, budgets)
         if num_prompts is not None and num_prompts < 1:
             raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
         if (prompts_file is None) == (prompt_token_ids is None):
@@ -107,7 +155,6 @@ class AcceptanceLengthCallback(Callback):
                 "held-out prompts, e.g. data_gen/toy/assets/heldout_prompts/math.jsonl) or prompt_token_ids"
             )
         self.every_n_steps = int(every_n_steps)
-        self.budget = int(budget)
         self.width = int(width)
         self.prompts_file = prompts_file
         self.num_prompts = None if num_prompts is None else int(num_prompts)
@@ -125,12 +172,30 @@ class AcceptanceLengthCallback(Callback):
         self._last_step: int | None = None
         self.history: list[dict] = []
 
+    def metric_names(self) -> dict[str, int]:
+        """Every name this callback logs and the budget it is measured at (main name first)."""
+        names = {self.metric_name: self.budget}
+        names.update({f"{self.metric_name}@{k}": k for k in self.budgets})
+        return names
+
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        """Import the decoder and read the prompts now, so a broken install or a bad prompt file fails
-        before training instead of at the first measurement (hundreds of steps in, nothing saved yet)."""
+        """Import the decoder, read the prompts and check what `HFHeadExport` monitors now, so a broken
+        install, a bad prompt file or a curve point that is never measured fails before training instead
+        of at the first measurement (hundreds of steps in, nothing saved yet)."""
         import jetflow_pl.decoding  # noqa: F401
         import jetflow_pl.runtime.torch_backend  # noqa: F401
 
+        names = self.metric_names()
+        for cb in trainer.callbacks:
+            if (
+                isinstance(cb, HFHeadExport)
+                and cb.monitor.startswith(f"{self.metric_name}@")
+                and cb.monitor not in names
+            ):
+                raise UserInputError(
+                    f"HFHeadExport monitors {cb.monitor}, which AcceptanceLengthCallback never logs "
+                    f"(it logs {', '.join(names)}); add that budget to its budgets"
+                )
         if stage == "fit":
             self._load_prompts(pl_module)
 
@@ -173,26 +238,44 @@ class AcceptanceLengthCallback(Callback):
 
     @torch.no_grad()
     def measure(self, pl_module: LightningModule) -> dict:
-        """Run speculative decoding with the module's head; returns `{tau, rounds, tokens, seconds}`."""
-        from jetflow_pl.decoding import SpeculativeGenerator
+        """Decode the prompts with the module's head once per curve budget.
+
+        Returns `{tau, rounds, tokens, seconds, curve}`: the first three at the main budget, `seconds` for
+        the whole curve, `curve` maps each budget to its own `{tau, rounds, tokens, seconds}`.
+        """
         from jetflow_pl.runtime.torch_backend import TorchBackend
 
         prompts = self._load_prompts(pl_module)
         head = pl_module.head
         was_training = head.training
         t0 = time.perf_counter()
-        lengths: list[int] = []
-        tokens = 0
         try:
             backend = TorchBackend(pl_module.target, head)  # sets head.eval()
-            gen = SpeculativeGenerator(backend, self.budget, self.width, eos_token_id=self._eos)
-            for ids in prompts:
-                room = int(pl_module.target.config.max_position_embeddings) - len(ids)
-                res = gen.generate(ids, max(1, min(self.max_new_tokens, room)))
-                lengths.extend(res.accept_lengths)
-                tokens += len(res.tokens)
+            room = int(pl_module.target.config.max_position_embeddings)
+            curve = {k: self._decode(backend, prompts, k, room) for k in self.budgets}
         finally:
             head.train(was_training)
+        main = curve[self.budget]
+        return {
+            "tau": main["tau"],
+            "rounds": main["rounds"],
+            "tokens": main["tokens"],
+            "seconds": time.perf_counter() - t0,
+            "curve": curve,
+        }
+
+    def _decode(self, backend: DecodeBackend, prompts: list[list[int]], budget: int, positions: int) -> dict:
+        """tau pooled over every round of every prompt (`sum(accept lengths) / rounds`) at one budget."""
+        from jetflow_pl.decoding import SpeculativeGenerator
+
+        t0 = time.perf_counter()
+        gen = SpeculativeGenerator(backend, budget, self.width, eos_token_id=self._eos)
+        lengths: list[int] = []
+        tokens = 0
+        for ids in prompts:
+            res = gen.generate(ids, max(1, min(self.max_new_tokens, positions - len(ids))))
+            lengths.extend(res.accept_lengths)
+            tokens += len(res.tokens)
         tau = sum(lengths) / len(lengths) if lengths else 0.0
         return {"tau": tau, "rounds": len(lengths), "tokens": tokens, "seconds": time.perf_counter() - t0}
 
@@ -202,20 +285,27 @@ class AcceptanceLengthCallback(Callback):
         self._last_step = trainer.global_step
         with full_head_params(trainer):
             stats = self.measure(pl_module)
-        # every rank decoded the same prompts with the same head; take rank 0's number so that all ranks
+        # every rank decoded the same prompts with the same head; take rank 0's numbers so that all ranks
         # agree on whether HFHeadExport exports (a collective under FSDP)
-        stats["tau"] = float(trainer.strategy.broadcast(float(stats["tau"]), src=0))
+        taus = trainer.strategy.broadcast([float(stats["curve"][k]["tau"]) for k in self.budgets], src=0)
+        for k, tau in zip(self.budgets, taus, strict=True):
+            stats["curve"][k]["tau"] = float(tau)
+        stats["tau"] = stats["curve"][self.budget]["tau"]
         stats["step"] = trainer.global_step
         self.history.append(stats)
-        _log_value(trainer, self.metric_name, stats["tau"])
+        values = {name: stats["curve"][k]["tau"] for name, k in self.metric_names().items()}
+        for name, value in values.items():
+            _log_value(trainer, name, value)
+        points = ", ".join(f"{k}: {stats['curve'][k]['tau']:.3f}" for k in self.budgets)
+        rounds = "/".join(str(stats["curve"][k]["rounds"]) for k in self.budgets)
         rank_zero_info(
-            f"[{self.metric_name}] step {trainer.global_step}: tau {stats['tau']:.3f} "
-            f"(budget {self.budget}, width {self.width}, {len(self._prompts)} prompts, "
-            f"{stats['rounds']} rounds, {stats['seconds']:.1f}s)"
+            f"[{self.metric_name}] step {trainer.global_step}: tau {stats['tau']:.3f} at budget "
+            f"{self.budget}; tau by budget {{{points}}} (width {self.width}, {len(self._prompts)} prompts, "
+            f"{rounds} rounds, {stats['seconds']:.1f}s)"
         )
         for cb in trainer.callbacks:
-            if isinstance(cb, HFHeadExport) and cb.monitor == self.metric_name:
-                cb.offer(trainer, pl_module, stats["tau"])
+            if isinstance(cb, HFHeadExport) and cb.monitor in values:
+                cb.offer(trainer, pl_module, values[cb.monitor])
 
     # ------------------------------------------------------------------ hooks
     def on_train_batch_end(
@@ -234,9 +324,10 @@ class HFHeadExport(Callback):
     """Export the head in HF format: `<dirpath>/last` and `<dirpath>/best` (by `monitor`, `mode`).
 
     `best` is updated whenever a new value of `monitor` beats the best so far: pushed by
-    `AcceptanceLengthCallback` right after it measures (same step), or read from the logged metrics at the
-    end of each validation run (for other monitors such as `val/sim_tau`). Each export folder also holds
-    `export_info.json` (step, metric value).
+    `AcceptanceLengthCallback` right after it measures (same step) for any name it logs (`val/tau` or a
+    curve point `val/tau@<k>`), or read from the logged metrics at the end of each validation run (for
+    other monitors such as `val/sim_tau`). Each export folder also holds `export_info.json` (step, metric
+    value).
     """
 
     def __init__(
@@ -296,8 +387,11 @@ class HFHeadExport(Callback):
         return True
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.sanity_checking or self.monitor == "val/tau":
-            return
+        if trainer.sanity_checking or any(
+            isinstance(cb, AcceptanceLengthCallback) and self.monitor in cb.metric_names()
+            for cb in trainer.callbacks
+        ):
+            return  # the tau callback offers its values when it measures, with the head it measured
         v = trainer.callback_metrics.get(self.monitor)
         if v is not None:
             self.offer(trainer, pl_module, float(v))
