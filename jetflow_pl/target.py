@@ -26,6 +26,10 @@ SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
 
 LogitsPositions = torch.Tensor | Literal["all", "last"] | None
 
+#: row counts for which `TargetModel.few_row_logits` uses the transposed product: where it measured
+#: faster on one MKL thread (4..30 rows measured; 2-3 rows and 60+ rows are faster as the plain `h @ W^T`)
+FEW_ROWS = range(4, 33)
+
 
 @dataclass
 class TargetOutput:
@@ -180,6 +184,27 @@ class TargetModel(nn.Module):
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Apply the target's lm_head to final-normed hidden states (the teacher and draft logits)."""
         return self.lm_head(hidden)
+
+    def few_row_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The lm_head at inference for the draft's depths (or a refine pass): the same product as
+        `lm_logits`, computed as `(W @ h^T)^T` when it has `FEW_ROWS` rows.
+
+        Why: CPU BLAS picks its small-M kernels for an `[M, H] x [H, V]` product with a few rows, and
+        for M = 4..15 they run several times slower than the transposed product of the same numbers
+        (SmolLM2's 49k x 576 lm_head, one MKL thread: 15 rows 44 ms as `h @ W^T`, 16 ms as `W @ h^T`;
+        from 60 rows on the plain form is faster again; `bench/draft_gemm.py`,
+        `bench/results/draft_logits_gemm.json`). A batch-1 draft has 15 such rows every round, so this
+        halves its cost on a CPU (draft/t(1) 1.02 -> 0.50). Only the draft side uses it: the verify keeps
+        the target's own lm_head call, so the target's logits are computed exactly as before.
+        """
+        rows = hidden.numel() // hidden.shape[-1]
+        if rows not in FEW_ROWS:
+            return self.lm_head(hidden)
+        weight = self.lm_head.weight
+        logits = (weight @ hidden.reshape(rows, -1).to(weight.dtype).T).T
+        if self.lm_head.bias is not None:
+            logits = logits + self.lm_head.bias
+        return logits.reshape(*hidden.shape[:-1], weight.shape[0])
 
     @torch.no_grad()
     def forward(

@@ -76,7 +76,7 @@ def test_ladder_is_capped_by_the_backend_limit_and_the_context(target):
 
 def test_fingerprint_names_machine_software_backend_and_models(target, backend):
     fp = fingerprint(backend)
-    for key in ("cpu", "gpu", "threads", "torch", "backend", "dtype", "device", "target", "head"):
+    for key in ("cpu", "gpu", "threads", "torch", "revision", "backend", "dtype", "device", "target", "head"):
         assert key in fp
     assert (
         fp["backend"] == "TorchBackend" and fp["device"] == "cpu" and fp["threads"] == torch.get_num_threads()

@@ -71,6 +71,24 @@ def test_tree_rows_then_compaction_matches_linear_prefix(tiny_target_dir, ids):
     torch.testing.assert_close(nxt, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (1, 3), (1, 15), (2, 15), (4, 15), (40,)])
+def test_few_row_logits_is_the_lm_head(tiny_target_dir, shape):
+    """The draft's lm_head form (`few_row_logits`, transposed for some row counts) computes the same
+    product as `lm_logits`, in every batch shape the draft and refine passes use."""
+    target = TargetModel.from_pretrained(tiny_target_dir)
+    hidden = torch.randn(*shape, target.hidden_size, generator=torch.Generator().manual_seed(2))
+    ref = target.lm_logits(hidden)
+    got = target.few_row_logits(hidden)
+    assert got.shape == ref.shape
+    # the two forms sum the same H products in possibly different orders: each differs from the exact
+    # sum by at most H * 2^-24 * sum_k |w_k h_k| (fp32 dot-product bound), so they differ by twice that
+    scale = torch.abs(hidden) @ torch.abs(target.lm_head.weight).T
+    bound = 2 * target.hidden_size * 2.0**-24 * scale
+    assert bool((torch.abs(got - ref) <= bound).all())
+    # a wrong operand order or reshape would put logits under the wrong rows: argmax per row must agree
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
 def test_frozen(tiny_target_dir):
     target = TargetModel.from_pretrained(tiny_target_dir)
     assert not any(p.requires_grad for p in target.parameters())

@@ -10,8 +10,9 @@ itself through its protocol (`prefill` / `draft` / `verify` / `commit`), at a re
 
 A `CostProfile` is cached as JSON under `~/.cache/jetflow_pl/cost_profiles/` (or `$JETFLOW_PL_CACHE_DIR`,
 or `$XDG_CACHE_HOME/jetflow_pl`), named by a digest of its *fingerprint*: CPU and GPU model, torch
-threads and version, backend kind, dtype, device, and the identity of target and head. The identity is
-the model *architecture* (config digest): the cost of a forward depends on shapes, not on weight values.
+threads and version, the backends' compute revision (`COST_REVISION`), backend kind, dtype, device, and
+the identity of target and head. The identity is the model *architecture* (config digest): the cost of
+a forward depends on shapes, not on weight values.
 A cached profile whose fingerprint no longer matches is re-measured; one passed explicitly
 (`--cost-profile FILE`) that does not match is refused with one line naming what differs.
 
@@ -72,6 +73,10 @@ DEFAULT_MEASURED_BATCH = 8
 MAX_BATCH_TOKENS = 2048
 #: repeats of the batched measurement (each pass prefills B slots)
 BATCH_REPEATS = 3
+#: revision of what the backends compute per round, part of the fingerprint: bumped when a change to a
+#: backend's compute changes what a round costs, so profiles measured before it are measured again
+#: (2: the draft's lm_head runs as the transposed product for a few rows, `TargetModel.few_row_logits`)
+COST_REVISION = 2
 #: config keys that do not change what a forward computes (paths, versions, bookkeeping)
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "architectures", "dtype", "torch_dtype")
 
@@ -154,6 +159,7 @@ def fingerprint(backend: DecodeBackend) -> dict[str, Any]:
         "gpu": gpu,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "revision": COST_REVISION,
         "backend": kind + (f"/{variant}" if variant else ""),
         "dtype": ident["dtype"],
         "device": str(device),

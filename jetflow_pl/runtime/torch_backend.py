@@ -121,7 +121,7 @@ class TorchBackend(SequenceBackend):
             cache=cache,
             attn_mask=mask,
         )
-        logits = self.target.lm_logits(hidden[:, 1:])
+        logits = self.target.few_row_logits(hidden[:, 1:])
         return torch.log_softmax(logits.float(), dim=-1), None
 
     def _head_mask(self, step: HeadStep, padded: int) -> Tensor:
@@ -162,4 +162,4 @@ class TorchBackend(SequenceBackend):
         hidden = self.head(
             self.target.embed_tokens(ids), positions, cache=self.head_kv.cache(), in_block=mask
         )
-        return torch.log_softmax(self.target.lm_logits(hidden[0, n:]).float(), dim=-1)
+        return torch.log_softmax(self.target.few_row_logits(hidden[0, n:]).float(), dim=-1)
