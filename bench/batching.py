@@ -42,9 +42,10 @@ if str(REPO) not in sys.path:  # `python bench/batching.py` from anywhere
 sys.path.insert(0, str(REPO / "bench"))
 
 from budget_auto import read_prompts  # noqa: E402  (bench/budget_auto.py: the shared prompt reader)
+from load_plot import budget_label, plot_load  # noqa: E402  (bench/load_plot.py)
 
 from jetflow_pl.decoding import SpeculativeGenerator  # noqa: E402
-from jetflow_pl.decoding.budget import AutoBudget  # noqa: E402
+from jetflow_pl.decoding.budget import ACCEPTANCE_PROFILE_FILE, AcceptanceProfile, AutoBudget  # noqa: E402
 from jetflow_pl.generate_cli import _load_tokenizer  # noqa: E402
 from jetflow_pl.head import DraftHead  # noqa: E402
 from jetflow_pl.runtime.torch_backend import TorchBackend  # noqa: E402
@@ -103,7 +104,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--width", type=int, default=4)
     p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
     p.add_argument("--n-prompts", type=int, default=16)
-    p.add_argument("--cache-dir", type=Path, default=None, help="cost-profile cache (default: the machine's)")
+    p.add_argument("--cache-dir", type=Path, default=None, help="cost-profile cache (default: a fresh one)")
+    p.add_argument(
+        "--acceptance-profile",
+        type=Path,
+        default=None,
+        help=f"auto's acceptance prior (default: {ACCEPTANCE_PROFILE_FILE} beside the head, else none)",
+    )
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     if "0" not in args.budgets:
@@ -111,7 +119,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import json
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    prior_path = args.acceptance_profile
+    if prior_path is None and (args.head / ACCEPTANCE_PROFILE_FILE).is_file():
+        prior_path = args.head / ACCEPTANCE_PROFILE_FILE
+    prior = AcceptanceProfile.load(prior_path) if prior_path is not None else None
     head = DraftHead.from_pretrained(str(args.head)).eval()
     target = TargetModel.from_pretrained(args.target, head.config.target_layer_ids)
     tokenizer = _load_tokenizer(args.target)
@@ -125,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             reference = None
             for budget in args.budgets:
                 backend = TorchBackend(target, head, max_batch=B)
-                policy = AutoBudget(cache_dir=cache_dir) if budget == "auto" else int(budget)
+                policy = AutoBudget(prior=prior, cache_dir=cache_dir) if budget == "auto" else int(budget)
                 gen = SpeculativeGenerator(backend, policy, args.width, eos_token_id=eos)
                 closed_loop(gen, B, prompts[::-1], args.warmup, args.max_tokens)  # untimed
                 level = closed_loop(gen, B, prompts, args.requests, args.max_tokens)
@@ -173,12 +187,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         "settings": {
             k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("out",)
         },
+        "acceptance_prior": None if prior_path is None else str(prior_path),
         "results": table,
         "auto_cost_view": {str(B): v for B, v in views.items()},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")
+    series = {
+        budget_label(budget): [
+            {"x": B, **{k: table[budget][str(B)][k] for k in ("tokens_per_s", "latency_p50_s")}}
+            for B in args.batch
+        ]
+        for budget in args.budgets
+    }
+    title = (
+        f"continuous batching (engine in-process): {args.target.name}, {args.requests} greedy requests per "
+        f"batch size, {args.max_tokens} max tokens, {torch.get_num_threads()} thread(s), median of {args.repeats}"
+    )
+    png = plot_load(series, "requests in flight (batch size)", title, args.out.with_suffix(".png"))
+    if png is not None:
+        print(f"wrote {png}")
     for budget in args.budgets:
         row = " ".join(
             f"B={B}: {table[budget][str(B)]['tokens_per_s']:.0f} ({table[budget][str(B)]['speedup_vs_ar']:.2f}x)"

@@ -41,6 +41,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from load_plot import budget_label, plot_load  # noqa: E402  (bench/load_plot.py)
+
 DEFAULT_PROMPTS = REPO / "data_gen/toy/assets/heldout_prompts/math.jsonl"
 MODEL = "bench"
 
@@ -188,39 +190,24 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
 
 
 def plot(results: dict, out: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("note: matplotlib is not installed: no plot", file=sys.stderr)
-        return None
-    fig, (ax_t, ax_l) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for budget, row in results["configs"].items():
-        levels = row["levels"]
-        c = [lv["concurrency"] for lv in levels]
-        label = "AR (budget 0)" if budget == "0" else f"budget {budget}"
-        ax_t.plot(c, [lv["tokens_per_s"] for lv in levels], marker="o", label=label)
-        (line,) = ax_l.plot(c, [lv["latency_p50_s"] for lv in levels], marker="o", label=f"{label} p50")
-        ax_l.plot(c, [lv["latency_p99_s"] for lv in levels], marker="x", ls="--", color=line.get_color())
-    for ax in (ax_t, ax_l):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent clients")
-        ax.grid(alpha=0.3)
-    ax_t.set_ylabel("completion tokens / s")
-    ax_t.legend(fontsize=8)
-    ax_l.set_ylabel("request latency, s (p50 solid, p99 dashed)")
+    series = {
+        budget_label(budget): [
+            {
+                "x": lv["concurrency"],
+                "tokens_per_s": lv["tokens_per_s"],
+                "latency_p50_s": lv["latency_p50_s"],
+                "latency_p99_s": lv["latency_p99_s"],
+            }
+            for lv in row["levels"]
+        ]
+        for budget, row in results["configs"].items()
+    }
     s = results["settings"]
-    fig.suptitle(
+    title = (
         f"jetflow-serve load: {Path(s['target']).name}, {s['requests']} requests/level, {s['max_tokens']} max "
-        f"tokens, max batch {s['max_batch']}, {s['threads']} thread(s)",
-        fontsize=9,
+        f"tokens, max batch {s['max_batch']}, {s['threads']} thread(s)"
     )
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return plot_load(series, "concurrent clients", title, out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
