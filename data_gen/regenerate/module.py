@@ -102,6 +102,40 @@ def batched_generate(
     return out_tokens, reasons
 
 
+def collect_stop_ids(
+    tokenizer, generation_eos: int | Sequence[int] | None, extra: Sequence[int] | None
+) -> list[int]:
+    """The ids that end a response: the tokenizer's EOS, the generation config's EOS ids and `extra`."""
+    ids = set(int(t) for t in (extra or []))
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    if generation_eos is not None:
+        ids.update(
+            [int(generation_eos)] if isinstance(generation_eos, int) else [int(t) for t in generation_eos]
+        )
+    return sorted(ids)
+
+
+def response_records(tokenizer, batch: dict, rows: Sequence[int], tokens, reasons) -> list[dict]:
+    """The records `predict_step` returns (what `RegenerationWriter` turns into rows) for batch `rows`,
+    given each row's response ids (stop token included) and finish reason ("eos" / "length")."""
+    out = []
+    for r, toks, why in zip(rows, tokens, reasons, strict=True):
+        out.append(
+            {
+                "id": batch["ids"][r],
+                "domain": batch["domains"][r],
+                "prompt_ids": batch["prompt_ids"][r],
+                "response_ids": toks,
+                "loss_mask": [0] * len(batch["prompt_ids"][r]) + [1] * len(toks),
+                "text": tokenizer.decode(toks, skip_special_tokens=True),
+                "finish_reason": why,
+                "truncated": bool(batch["truncated"][r]),
+            }
+        )
+    return out
+
+
 class RegenerationModule(L.LightningModule):
     """Frozen target + generation settings; `predict_step` returns one record per sample.
 
@@ -170,13 +204,8 @@ class RegenerationModule(L.LightningModule):
         self.target_passes = 0
 
     def _stop_ids(self, extra: list[int] | None) -> list[int]:
-        ids = set(int(t) for t in (extra or []))
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
         gen_eos = getattr(getattr(self.target.model, "generation_config", None), "eos_token_id", None)
-        if gen_eos is not None:
-            ids.update([int(gen_eos)] if isinstance(gen_eos, int) else [int(t) for t in gen_eos])
-        return sorted(ids)
+        return collect_stop_ids(self.tokenizer, gen_eos, extra)
 
     def fingerprint(self) -> dict:
         """The settings that decide the output tokens (batch layout does not: generation is exact)."""
@@ -240,21 +269,7 @@ class RegenerationModule(L.LightningModule):
         return tokens, reasons
 
     def _records(self, batch: dict, rows: Sequence[int], tokens, reasons) -> list[dict]:
-        out = []
-        for r, toks, why in zip(rows, tokens, reasons, strict=True):
-            out.append(
-                {
-                    "id": batch["ids"][r],
-                    "domain": batch["domains"][r],
-                    "prompt_ids": batch["prompt_ids"][r],
-                    "response_ids": toks,
-                    "loss_mask": [0] * len(batch["prompt_ids"][r]) + [1] * len(toks),
-                    "text": self.tokenizer.decode(toks, skip_special_tokens=True),
-                    "finish_reason": why,
-                    "truncated": bool(batch["truncated"][r]),
-                }
-            )
-        return out
+        return response_records(self.tokenizer, batch, rows, tokens, reasons)
 
     def predict_step(self, batch: dict, batch_idx: int = 0, dataloader_idx: int = 0) -> dict:
         """`{"records": [...], "failed": [{"id", "error"}], "new_tokens": int, "seconds": float}`."""
