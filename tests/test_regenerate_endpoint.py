@@ -7,9 +7,10 @@ What is proved:
 * exactness: greedy rows regenerated through the server (prompt ids in, response ids out) equal the
   in-process `RegenerationModule` rows of the same prompts column for column, `eos` and `length` rows
   both present; the base URL is recorded but not hashed;
-* crash safety: the server SIGKILLed mid-run makes the real `python -m jetflow_pl predict` command fail
-  after its bounded retries with one `error:` line, leaving only complete shards; after a restart the
-  same command resumes and the dataset holds every id once, equal to the in-process rows;
+* crash safety: the server SIGKILLed mid-run makes the `python -m jetflow_pl predict` command (its entry
+  point, in this process) fail after its bounded retries with one `error:` line, leaving only complete
+  shards; after a restart the same command resumes and the dataset holds every id once, equal to the
+  in-process rows;
 * the client: 429 with Retry-After, 503 and connection errors are retried with backoff (an injected
   sleep records the delays: nothing sleeps for real), exhausted retries are one clear error, a 404 /
   another model / a 400 are not retried; concurrency is bounded; each way an answer can differ from the
@@ -27,6 +28,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -102,11 +104,14 @@ class ServeProcess:
         cmd = [sys.executable, "-m", "jetflow_pl.serve", "--target", str(SMALL_TARGET_DIR), "--head"]
         cmd += [str(SMALL_HEAD_DIR), "--budget", "16", "--port", str(self.port), "--log-level", "warning"]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # its log goes to a file: an unread pipe could fill up and block the server
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=self.log)
         deadline = time.monotonic() + WAIT_S
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"jetflow-serve exited: {self.proc.stderr.read().decode()[-2000:]}")
+                self.log.seek(0)
+                raise RuntimeError(f"jetflow-serve exited: {self.log.read().decode()[-2000:]}")
             try:
                 if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
                     return self
@@ -253,23 +258,44 @@ def _endpoint_config(tmp: Path, out: Path, base_url: str) -> Path:
     return path
 
 
-def test_server_killed_mid_run_fails_clearly_then_the_same_command_resumes(tmp_path, reference):
+def _predict(config: Path, capsys) -> tuple[int, str, str]:
+    """`python -m jetflow_pl predict --config <config>` through its entry point (`jetflow_pl.cli.main`)
+    in this process: the same parser, run and error reporting, without two interpreter start-ups."""
+    from jetflow_pl.cli import main
+
+    capsys.readouterr()
+    code = 0
+    try:
+        main(["predict", "--config", str(config)])
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+def test_server_killed_mid_run_fails_clearly_then_the_same_command_resumes(tmp_path, reference, capsys):
     srv = ServeProcess(free_port()).start()
     try:
         out = tmp_path / "out"
-        cmd = [sys.executable, "-m", "jetflow_pl", "predict", "--config"]
-        cmd.append(str(_endpoint_config(tmp_path, out, srv.base_url)))
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        run = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + WAIT_S
-        while not list_shards(out) and run.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert run.poll() is None, run.stderr.read().decode()[-3000:]
-        srv.kill()  # the engine dies with requests in flight
-        stderr = run.communicate(timeout=WAIT_S)[1].decode()
+        config = _endpoint_config(tmp_path, out, srv.base_url)
+        killed_at: list[int] = []
+
+        def kill_after_first_shard() -> None:
+            deadline = time.monotonic() + WAIT_S
+            while not list_shards(out) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            killed_at.append(len(list_shards(out)))
+            srv.kill()  # the engine dies with requests in flight
+
+        killer = threading.Thread(target=kill_after_first_shard, daemon=True)
+        killer.start()
+        code, _, err = _predict(config, capsys)
+        killer.join(WAIT_S)
+        assert killed_at and killed_at[0] >= 1  # killed after a shard landed, not before
         # after its bounded retries (4 attempts, backoff <= 0.2 s) the run stops with one line
-        assert run.returncode == 2, stderr[-3000:]
-        last = stderr.strip().splitlines()[-1]
+        assert code == 2, err[-3000:]
+        last = err.strip().splitlines()[-1]
         assert last.startswith(f"error: endpoint {srv.base_url} unusable: POST /completions failed 4 times")
         assert "rerun the same command to resume" in last
         killed = list_shards(out)
@@ -278,8 +304,9 @@ def test_server_killed_mid_run_fails_clearly_then_the_same_command_resumes(tmp_p
         assert not (out / "dataset").exists() and not list((out / "shards").glob(".tmp-*"))
 
         srv.start()  # the same port: the same command
-        done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=WAIT_S * 2)
-        assert done.returncode == 0, done.stderr[-3000:]
+        code, stdout, err = _predict(config, capsys)
+        assert code == 0, err[-3000:]
+        assert "regenerate: via " + srv.base_url in stdout
         summary = json.loads((out / "summary.json").read_text())
         assert summary["skipped_already_done"] == len(done_ids)
         assert summary["written"] == len(reference) - len(done_ids)

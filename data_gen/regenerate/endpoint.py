@@ -250,7 +250,8 @@ class EndpointRegenerationModule(L.LightningModule):
         }
 
     # ------------------------------------------------------------------ generation
-    def _request(self, sample_id: str, prompt_ids: list[int]) -> tuple[list[int], str]:
+    def _request(self, sample_id: str, prompt_ids: list[int]) -> Completion:
+        """One sample's request (on a worker thread: only the HTTP call, no tokenizer use)."""
         hp = self.hparams
         params: dict[str, Any] = {"temperature": hp.temperature, "top_p": hp.top_p}
         if hp.temperature > 0:
@@ -261,10 +262,7 @@ class EndpointRegenerationModule(L.LightningModule):
         if hp.response_ids == "token_ids":
             extra["return_token_ids"] = True
         extra.update(hp.extra_body or {})
-        out = self.client.complete(self.model_name, prompt_ids, self.max_new_tokens, params, extra)
-        return response_tokens(
-            out, prompt_ids, self.stop_ids, self.max_new_tokens, hp.response_ids, self.tokenizer
-        )
+        return self.client.complete(self.model_name, prompt_ids, self.max_new_tokens, params, extra)
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -291,8 +289,15 @@ class EndpointRegenerationModule(L.LightningModule):
         ]
         rows, tokens, reasons, failed = [], [], [], []
         for r, fut in enumerate(futures):
-            try:
-                toks, why = fut.result()
+            try:  # the answers are read here, on one thread (a tokenizer is not safe to share)
+                toks, why = response_tokens(
+                    fut.result(),
+                    batch["prompt_ids"][r],
+                    self.stop_ids,
+                    self.max_new_tokens,
+                    self.hparams.response_ids,
+                    self.tokenizer,
+                )
             except RequestFailed as err:
                 if self.hparams.on_error == "raise":
                     self._abort(futures)
