@@ -38,6 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--opset", type=int, default=None, help="ONNX opset (default 20; 23 for --variant attention)"
     )
     parser.add_argument("--topk", type=int, default=8, help="draft tokens kept per depth (max tree width)")
+    parser.add_argument(
+        "--max-batch",
+        type=int,
+        default=1,
+        help="1 (default): batch-1 graphs (what --engine builds from); N > 1: batched graphs (dynamic batch "
+        "axis, per-request KV lengths and packed masks) whose runtimes open N request slots by default",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     parser.add_argument("--engine", action="store_true", help="also build TensorRT engines (needs TensorRT)")
     parser.add_argument("--plugin-lib", type=Path, default=None, help="TreeAttention plugin .so for --engine")
@@ -69,6 +76,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.variant = "plugin" if args.engine else "portable"
     try:
         plugin = None
+        if args.engine and args.max_batch > 1:
+            raise UserInputError(
+                "--engine builds TensorRT engines from the batch-1 graphs (the TensorRT backend decodes one "
+                "request per forward): drop --max-batch, or export the batched graphs without --engine"
+            )
         if args.engine:
             # fail before the (slow) ONNX export, and before importing the export stack, when TensorRT
             # cannot run here or the plugin library is missing
@@ -85,6 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             opset=args.opset,
             topk=args.topk,
             overwrite=args.overwrite,
+            max_batch=args.max_batch,
         )
         out = export_engine(settings)
         if args.engine:

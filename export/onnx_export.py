@@ -37,22 +37,20 @@ from export.tree_attention_onnx import translation_table
 from jetflow_pl.checkpoints import load_draft_head
 from jetflow_pl.errors import UserInputError
 from jetflow_pl.head import DraftHead
+from jetflow_pl.masks import pack_tree_batch
 from jetflow_pl.runtime.contract import (
     CONFIG_FILE,
     HEAD_GRAPH,
-    HEAD_INPUTS,
-    HEAD_OUTPUTS,
     MIN_OPSET,
     TARGET_GRAPH,
-    TARGET_INPUTS,
-    TARGET_OUTPUTS,
     TOKENIZER_DIR,
     VARIANTS,
+    graph_io,
 )
 from jetflow_pl.runtime.engine_config import FORMAT, FORMAT_VERSION, write_engine_config
-from jetflow_pl.runtime.graphs import DraftHeadGraph, TargetVerifyGraph, pair_config
+from jetflow_pl.runtime.graphs import decode_graphs, pair_config
 from jetflow_pl.target import TargetModel, _read_config, check_supported
-from jetflow_pl.tree import pack_mask
+from jetflow_pl.tree import DraftTree, pack_mask
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +74,11 @@ class ExportSettings:
     opset: int | None = None  # None: 20, or 23 for the `attention` variant
     topk: int = 8
     overwrite: bool = False
+    max_batch: int = 1  # > 1: the batched graphs (dynamic batch axis, per-request KV lengths)
+
+    @property
+    def batched(self) -> bool:
+        return self.max_batch > 1
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -95,6 +98,8 @@ def validate_settings(s: ExportSettings) -> None:
         )
     if s.topk < 1:
         raise UserInputError(f"--topk must be >= 1, got {s.topk}")
+    if s.max_batch < 1:
+        raise UserInputError(f"--max-batch must be >= 1, got {s.max_batch}")
     out = Path(s.out)
     if out.exists() and not s.overwrite:
         raise UserInputError(f"output folder {out} already exists; pass --overwrite to replace it")
@@ -129,7 +134,12 @@ def _dims(max_positions: int) -> dict[str, torch.export.Dim]:
         "T": torch.export.Dim("T", min=1, max=limit),
         "Q": torch.export.Dim("Q", min=1, max=limit),
         "Wq": torch.export.Dim("Wq", min=1, max=words),
+        "B": torch.export.Dim("B", min=1, max=MAX_BATCH_DIM),
     }
+
+
+#: the largest batch the batched graphs' dynamic axis admits (a runtime opens `max_batch` slots of it)
+MAX_BATCH_DIM = 1024
 
 
 def target_example(target: TargetModel, n: int = 40, past: int = 3) -> OrderedDict[str, torch.Tensor]:
@@ -168,12 +178,71 @@ def head_example(head: DraftHead, target: TargetModel, q: int = 33, t: int = 5, 
     )
 
 
-def _dynamic_shapes(role: str, dims: dict[str, torch.export.Dim]) -> dict[str, dict[int, Any]]:
-    from jetflow_pl.runtime.contract import DYNAMIC_AXES
+#: the batched examples: three requests of different KV lengths (padding in the caches), tree sizes
+#: (padding rows in the masks) and new context rows; traced at B = 3 so no axis specializes to 0 or 1
+BATCH_PAST = (3, 1, 0)
+BATCH_TREES = (40, 17, 1)
+BATCH_CONTEXT = (5, 2, 3)
 
-    return {
-        name: {axis: dims[sym] for axis, sym in axes.items()} for name, axes in DYNAMIC_AXES[role].items()
-    }
+
+def _random_tree(n: int, gen: torch.Generator, vocab: int) -> DraftTree:
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+    return DraftTree.from_parents(torch.randint(0, vocab, (n,), generator=gen), torch.tensor(parents))
+
+
+def batched_target_example(target: TargetModel) -> OrderedDict[str, torch.Tensor]:
+    """Batched verify-graph inputs: `BATCH_TREES` trees after `BATCH_PAST` cached rows (padded)."""
+    gen = torch.Generator().manual_seed(2)
+    cfg = target.config
+    head_dim = int(target.layers[0].self_attn.head_dim)
+    trees = [_random_tree(n, gen, target.vocab_size) for n in BATCH_TREES]
+    masks = pack_tree_batch(trees)
+    b, n = masks.batch_size, masks.num_nodes
+    ids = torch.stack([torch.cat([t.tokens, t.tokens[:1].expand(n - t.num_nodes)]) for t in trees])
+    past = torch.tensor(BATCH_PAST, dtype=torch.int32)
+    kv = (target.num_layers, b, int(cfg.num_key_value_heads), max(BATCH_PAST), head_dim)
+    return OrderedDict(
+        input_ids=ids,
+        position_ids=masks.position_ids(past),
+        tree_mask=masks.packed_mask,
+        past_lengths=past,
+        past_keys=torch.randn(kv, generator=gen),
+        past_values=torch.randn(kv, generator=gen),
+    )
+
+
+def batched_head_example(head: DraftHead, target: TargetModel, q: int = 33):
+    """Batched head-graph inputs: `BATCH_CONTEXT` new context rows (zero padding) after `BATCH_PAST`
+    cached rows (padded), a causal block of `q` rows per request."""
+    gen = torch.Generator().manual_seed(3)
+    attn = head.layers[0].self_attn
+    b, t, p = len(BATCH_PAST), max(BATCH_CONTEXT), max(BATCH_PAST)
+    kv = (len(head.layers), b, int(attn.num_kv_heads), p, int(attn.head_dim))
+    features = head.config.num_taps * head.config.target_hidden_size
+    past = torch.tensor(BATCH_PAST, dtype=torch.int32)
+    ctx = torch.tensor(BATCH_CONTEXT, dtype=torch.int32)
+    taps = torch.randn(b, t, features, generator=gen)
+    taps[torch.arange(t).unsqueeze(0) >= ctx.unsqueeze(1)] = 0.0
+    positions = (past.long().unsqueeze(1) + torch.arange(t).unsqueeze(0)).minimum(
+        (past.long() + ctx.long() - 1).unsqueeze(1)
+    )
+    block_start = (past + ctx).long().unsqueeze(1)
+    return OrderedDict(
+        context_taps=taps,
+        context_positions=positions,
+        context_lengths=ctx,
+        block_ids=torch.randint(0, target.vocab_size, (b, q), generator=gen),
+        block_positions=block_start + torch.arange(q).unsqueeze(0),
+        block_mask=pack_mask(torch.ones(q, q, dtype=torch.bool).tril()),
+        past_lengths=past,
+        past_keys=torch.randn(kv, generator=gen),
+        past_values=torch.randn(kv, generator=gen),
+    )
+
+
+def _dynamic_shapes(role: str, dims: dict[str, torch.export.Dim], batched: bool) -> dict[str, dict[int, Any]]:
+    _, _, axes_of = graph_io(role, batched)
+    return {name: {axis: dims[sym] for axis, sym in axes.items()} for name, axes in axes_of.items()}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -181,9 +250,9 @@ def _dynamic_shapes(role: str, dims: dict[str, torch.export.Dim]) -> dict[str, d
 # ---------------------------------------------------------------------------------------------------
 
 
-def _export_graph(module, example, role: str, path: Path, opset: int, dims) -> None:
-    inputs = list(HEAD_INPUTS if role == "head" else TARGET_INPUTS)
-    outputs = list(HEAD_OUTPUTS if role == "head" else TARGET_OUTPUTS)
+def _export_graph(module, example, role: str, path: Path, opset: int, dims, batched: bool = False) -> None:
+    inputs, outputs, _ = graph_io(role, batched)
+    inputs, outputs = list(inputs), list(outputs)
     program = torch.onnx.export(
         module,
         tuple(example.values()),
@@ -191,7 +260,7 @@ def _export_graph(module, example, role: str, path: Path, opset: int, dims) -> N
         opset_version=opset,
         input_names=inputs,
         output_names=outputs,
-        dynamic_shapes=_dynamic_shapes(role, dims),
+        dynamic_shapes=_dynamic_shapes(role, dims, batched),
         custom_translation_table=translation_table(),
         optimize=True,
         verbose=False,
@@ -218,15 +287,18 @@ def decode_check_prompt(target_dir: Path) -> list[int]:
 
 
 def _engine_config(s: ExportSettings, head: DraftHead, target: TargetModel) -> dict[str, Any]:
+    graphs = {}
+    for role, file in (("head", HEAD_GRAPH), ("target", TARGET_GRAPH)):
+        inputs, outputs, _ = graph_io(role, s.batched)
+        graphs[role] = {"file": file, "inputs": list(inputs), "outputs": list(outputs)}
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "variant": s.variant,
         "opset": s.opset,
-        "graphs": {
-            "head": {"file": HEAD_GRAPH, "inputs": list(HEAD_INPUTS), "outputs": list(HEAD_OUTPUTS)},
-            "target": {"file": TARGET_GRAPH, "inputs": list(TARGET_INPUTS), "outputs": list(TARGET_OUTPUTS)},
-        },
+        "graphs": graphs,
+        "batched": s.batched,
+        "max_batch": int(s.max_batch),
         **pair_config(head, target, s.topk),
         "tokenizer": TOKENIZER_DIR,
         "engines": {},
@@ -258,23 +330,23 @@ def export_engine(s: ExportSettings) -> Path:
     tmp.mkdir()
     try:
         dims = _dims(int(target.config.max_position_embeddings))
+        target_graph, head_graph = decode_graphs(head, target, s.topk, s.variant, s.batched)
+        if s.batched:
+            examples = batched_target_example(target), batched_head_example(head, target)
+        else:
+            examples = target_example(target), head_example(head, target)
         graphs = [
-            ("target", TargetVerifyGraph(target, s.variant).eval(), target_example(target), TARGET_GRAPH),
-            (
-                "head",
-                DraftHeadGraph(head, target, s.topk, s.variant).eval(),
-                head_example(head, target),
-                HEAD_GRAPH,
-            ),
+            ("target", target_graph.eval(), examples[0], TARGET_GRAPH),
+            ("head", head_graph.eval(), examples[1], HEAD_GRAPH),
         ]
         tolerances = {"target": target_tolerance(target), "head": head_tolerance(head)}
         checks: list[OutputCheck] = []
         for role, module, example, file in graphs:
             t0 = time.perf_counter()
             log.info("exporting the %s graph (%s variant)", role, s.variant)
-            _export_graph(module, example, role, tmp / file, s.opset, dims)
+            _export_graph(module, example, role, tmp / file, s.opset, dims, s.batched)
             check_graph(tmp / file)
-            names = list(HEAD_OUTPUTS if role == "head" else TARGET_OUTPUTS)
+            names = list(graph_io(role, s.batched)[1])
             graph_checks = compare_graph_with_torch(
                 module, example, tmp / file, names, role, tolerances[role]
             )

@@ -253,27 +253,28 @@ def lm_head_row_scale(hidden: np.ndarray, weight) -> np.ndarray:
 
 
 def kv_row_scale(present: np.ndarray, projections: list[tuple[tuple, object]]) -> np.ndarray:
-    """Per-row scales for `present_keys`/`present_values` `[L, 1, Hkv, P+N, d]` (torch's values).
+    """Per-row scales for `present_keys`/`present_values` `[L, B, Hkv, P+N, d]` (torch's values).
 
     The N new rows of layer `l`, KV head `h` are `k = W_h x` (then RoPE, a rotation, and on Qwen3 a
     per-head RMSNorm, which keeps relative errors) of the layer's normed input `x`: like the logits, their
     relative error is multiplied by the condition `||W_h||_2 ||x_n|| / ||k_n||`, so each row is measured
     against `||row|| * ||W_h||_2 ||x_n|| / ||k_n||` (`||W_h||_2 ||x_n||` on Llama). The P prefix rows are
     the input cache passed through, measured against their own norm. `projections[l]` is
-    `((input x [1,N,H], output k [1,N,Hkv*d]), weight [Hkv*d, H])`.
+    `((input x [B,N,H], output k [B,N,Hkv*d]), weight [Hkv*d, H])` (B = 1 for the batch-1 graphs).
     """
     import torch
 
-    out = np.linalg.norm(np.asarray(present, dtype=np.float64), axis=-1)  # [L, 1, Hkv, P+N]
+    out = np.linalg.norm(np.asarray(present, dtype=np.float64), axis=-1)  # [L, B, Hkv, P+N]
     for layer, ((x, k), weight) in enumerate(projections):
         n = x.shape[1]
         heads = out.shape[2]
         w = weight.detach().to(torch.float64).reshape(heads, -1, weight.shape[-1])  # [Hkv, d, H]
         sigma = torch.linalg.eigvalsh(w @ w.transpose(1, 2)).amax(-1).clamp_min(0).sqrt().numpy()  # [Hkv]
-        x_norm = np.linalg.norm(x[0].double().numpy(), axis=-1)  # [N]
-        k_norm = np.linalg.norm(k[0].double().numpy().reshape(n, heads, -1), axis=-1).T  # [Hkv, N]
-        cond = sigma[:, None] * x_norm[None, :] / np.maximum(k_norm, 1e-30)
-        out[layer, 0, :, -n:] *= np.maximum(cond, 1.0)
+        for b in range(x.shape[0]):
+            x_norm = np.linalg.norm(x[b].double().numpy(), axis=-1)  # [N]
+            k_norm = np.linalg.norm(k[b].double().numpy().reshape(n, heads, -1), axis=-1).T  # [Hkv, N]
+            cond = sigma[:, None] * x_norm[None, :] / np.maximum(k_norm, 1e-30)
+            out[layer, b, :, -n:] *= np.maximum(cond, 1.0)
     return out
 
 
@@ -391,6 +392,8 @@ def compare_graph_with_torch(module, example, path, output_names: list[str], rol
 DECODE_CHECK_TEXT = "Question: Tom has 3 apples and buys 4 more. How many apples does he have?\nAnswer:"
 DECODE_CHECK_TOKENS = 24
 DECODE_CHECK_BUDGET = 16
+#: requests decoded together by the check of batched graphs
+DECODE_CHECK_BATCH = 3
 
 
 @dataclass
@@ -401,17 +404,25 @@ class DecodeCheck:
     matched: int  # leading tokens identical
     tie_at: int = -1  # step of a near-tie divergence (accepted), -1 if none
     tau: float = 0.0
+    batch: int = 1  # requests decoded together in the batched check (1: none)
+    batch_tokens: int = 0  # tokens compared there, over every request
+    batch_matched: int = 0
 
     def as_dict(self) -> dict:
-        return {"tokens": self.tokens, "matched": self.matched, "tie_at": self.tie_at, "tau": self.tau}
+        out = {"tokens": self.tokens, "matched": self.matched, "tie_at": self.tie_at, "tau": self.tau}
+        if self.batch > 1:
+            out.update(batch=self.batch, batch_tokens=self.batch_tokens, batch_matched=self.batch_matched)
+        return out
 
 
 def greedy_decode_check(engine_dir, head, target, prompt_ids: list[int], tol: float) -> DecodeCheck:
     """Speculative greedy decoding on ONNX Runtime over the exported graphs must give the torch backend's
     autoregressive tokens; a divergence is accepted only at a near-tie of torch's own logits (the two
-    tokens' logits within the margin of `argmax_tie_violations`), where the decode stops being comparable."""
-    import torch
+    tokens' logits within the margin of `argmax_tie_violations`), where the decode stops being comparable.
 
+    Batched graphs (`max_batch > 1`) are checked as a batch too: the prompt and `DECODE_CHECK_BATCH - 1`
+    shorter cuts of it decode together through the continuous-batching engine (different KV lengths,
+    trees and acceptances in one forward), and every request must give its own torch tokens."""
     from jetflow_pl.decoding import ARGenerator, SpeculativeGenerator
     from jetflow_pl.runtime.ort_backend import OnnxRuntimeBackend
     from jetflow_pl.runtime.torch_backend import TorchBackend
@@ -419,34 +430,60 @@ def greedy_decode_check(engine_dir, head, target, prompt_ids: list[int], tol: fl
     backend = OnnxRuntimeBackend(engine_dir)
     width = min(4, backend.topk)
     n = min(DECODE_CHECK_TOKENS, backend.max_positions - len(prompt_ids))
-    ort = SpeculativeGenerator(backend, budget=DECODE_CHECK_BUDGET, width=width).generate(prompt_ids, n)
-    ref = ARGenerator(TorchBackend(target, head)).generate(prompt_ids, n)
+    gen = SpeculativeGenerator(backend, budget=DECODE_CHECK_BUDGET, width=width)
+    ort = gen.generate(prompt_ids, n)
+    ar = ARGenerator(TorchBackend(target, head))
+    check = _compare_decode(ort, ar.generate(prompt_ids, n).tokens, prompt_ids, target, tol, "")
+    batch = min(DECODE_CHECK_BATCH, backend.max_batch)
+    if batch > 1:
+        prompts = [list(prompt_ids)] + [
+            list(prompt_ids[: max(1, len(prompt_ids) - 5 * i)]) for i in range(1, batch)
+        ]
+        engine = gen.engine(max_batch=batch)
+        handles = [engine.submit(p, n) for p in prompts]
+        engine.run()
+        for i, (p, h) in enumerate(zip(prompts, handles, strict=True)):
+            one = _compare_decode(
+                h.result, ar.generate(p, n).tokens, p, target, tol, f" (batch of {batch}, request {i})"
+            )
+            check.batch_tokens += one.tokens
+            check.batch_matched += one.matched
+            if check.tie_at < 0 and one.tie_at >= 0:
+                check.tie_at = one.tie_at
+        check.batch = batch
+    return check
+
+
+def _compare_decode(ort, ref_tokens: list[int], prompt_ids, target, tol: float, where: str) -> DecodeCheck:
+    """`ort` (a generation result) against torch's AR tokens of the same prompt (see `greedy_decode_check`)."""
+    import torch
+
     matched = 0
-    for a, b in zip(ort.tokens, ref.tokens, strict=False):
+    for a, b in zip(ort.tokens, ref_tokens, strict=False):
         if a != b:
             break
         matched += 1
-    if matched == len(ref.tokens) == len(ort.tokens):
-        return DecodeCheck(len(ref.tokens), matched, tau=ort.tau)
-    if matched < min(len(ref.tokens), len(ort.tokens)):
+    if matched == len(ref_tokens) == len(ort.tokens):
+        return DecodeCheck(len(ref_tokens), matched, tau=ort.tau)
+    if matched < min(len(ref_tokens), len(ort.tokens)):
         with torch.no_grad():
-            ids = torch.tensor([list(prompt_ids) + ref.tokens[:matched]])
+            ids = torch.tensor([list(prompt_ids) + ref_tokens[:matched]])
             out = target(ids, logits_positions="last", return_hidden=True)
         row = out.logits.reshape(-1).double()
-        i, j = ref.tokens[matched], ort.tokens[matched]
+        i, j = ref_tokens[matched], ort.tokens[matched]
         h_norm, w_norms = lm_head_norms(out.hidden[:, -1].numpy(), target.lm_head.weight)
         gap = float(row[i] - row[j])
         margin = tol * float(h_norm[0]) * float(w_norms[i] + w_norms[j])
         if gap <= margin:
-            return DecodeCheck(len(ref.tokens), matched, tie_at=matched, tau=ort.tau)
+            return DecodeCheck(len(ref_tokens), matched, tie_at=matched, tau=ort.tau)
         raise ParityError(
-            f"parity check failed: greedy decode through the exported graphs diverges from torch at token "
-            f"{matched} (onnxruntime {ort.tokens[matched]}, torch {ref.tokens[matched]}; torch logit gap "
-            f"{gap:.3g} > near-tie margin {margin:.3g})"
+            f"parity check failed: greedy decode through the exported graphs{where} diverges from torch at "
+            f"token {matched} (onnxruntime {ort.tokens[matched]}, torch {ref_tokens[matched]}; torch logit "
+            f"gap {gap:.3g} > near-tie margin {margin:.3g})"
         )
     raise ParityError(
-        f"parity check failed: greedy decode through the exported graphs stopped after {len(ort.tokens)} "
-        f"tokens, torch after {len(ref.tokens)}"
+        f"parity check failed: greedy decode through the exported graphs{where} stopped after "
+        f"{len(ort.tokens)} tokens, torch after {len(ref_tokens)}"
     )
 
 

@@ -336,6 +336,12 @@ def build_engines(
         config = load_engine_config(engine_dir)
     except (FileNotFoundError, ValueError) as err:
         raise UserInputError(str(err)) from err
+    if config.get("batched", False):
+        raise UserInputError(
+            f"{engine_dir} holds batched graphs (jetflow-export --max-batch > 1): TensorRT engines are built "
+            "from the batch-1 graphs (the TensorRT backend decodes one request per forward); re-export "
+            "without --max-batch for --engine"
+        )
     plugin = resolve_plugin_lib(plugin_lib, config["variant"])
     trt = import_tensorrt()
     limits = ProfileLimits.make(

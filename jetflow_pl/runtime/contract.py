@@ -10,7 +10,14 @@ what the runtime loads (the exporter writes to it). Shapes use these symbols:
     Wq = ceil(Q / 32), W = ceil(N / 32)              packed-mask words
     L / Lh  target / head layers    Hkv / d  KV heads / head size    F = n_taps * target hidden size
     K  top-k kept per draft row     V  vocabulary
-The batch axis is static 1 (one sequence per graph call).
+    B  requests in one forward (the batched graphs only)
+The batch-1 graphs (`HEAD_INPUTS` ...) have a static batch axis of 1: one sequence per graph call, what
+the TensorRT engines are built from. The batched graphs (`BATCHED_HEAD_INPUTS` ..., engine config
+`"batched": true`, written by `jetflow-export --max-batch N` with N > 1) have a dynamic batch axis `B` and
+per-request KV lengths: request `b`'s committed rows are `[0, past_lengths[b])` of the padded `P`, its
+tree is `tree_mask[b]` (TensorRT-LLM's `[B, N, ceil(N/32)]` packed layout, rows past its generation length
+all zero) and its positions `past_lengths[b] + depth` (the position offsets); the head graph's new
+context rows of request `b` are `[0, context_lengths[b])` of `T`. `graph_io(role, batched)` picks one.
 
 `config.json` of an engine directory (written by the exporter, read by every runtime backend through
 `engine_config.load_engine_config`):
@@ -20,6 +27,7 @@ The batch axis is static 1 (one sequence per graph call).
     block_size, mask_token_id, causal_head, topk, vocab_size, max_positions, eos_token_id, target_layer_ids,
     target: {model_type, num_layers, num_heads, num_kv_heads, head_dim, hidden_size},
     head:   {num_layers, num_heads, num_kv_heads, head_dim, hidden_size, tap_features},
+    batched: bool (absent: false), max_batch: int (the slots a runtime opens by default; 1 when not batched),
     tokenizer: "tokenizer" (a folder), engines: {"head": file, "target": file} once TensorRT engines exist,
     plus "tensorrt": {profile limits, precision, plugin_library, version} written by `jetflow-export --engine`.
 """
@@ -84,6 +92,71 @@ DYNAMIC_AXES = {
     "target": {"input_ids": {1: "N"}, "position_ids": {1: "N"}, "tree_mask": {0: "N", 1: "W"},
                "past_keys": {3: "P"}, "past_values": {3: "P"}},
 }  # fmt: skip
+
+# the batched graphs: the same computation over B requests, each with its own KV length (see above)
+BATCHED_HEAD_INPUTS = {
+    "context_taps": ("float", ["B", "T", "F"]),
+    "context_positions": ("int64", ["B", "T"]),
+    "context_lengths": ("int32", ["B"]),
+    "block_ids": ("int64", ["B", "Q"]),
+    "block_positions": ("int64", ["B", "Q"]),
+    "block_mask": ("int32", ["Q", "Wq"]),
+    "past_lengths": ("int32", ["B"]),
+    "past_keys": ("float", ["Lh", "B", "Hkv", "P", "d"]),
+    "past_values": ("float", ["Lh", "B", "Hkv", "P", "d"]),
+}
+BATCHED_HEAD_OUTPUTS = {
+    "topk_logprobs": ("float", ["B", "Q", "K"]),
+    "topk_ids": ("int64", ["B", "Q", "K"]),
+    "present_keys": ("float", ["Lh", "B", "Hkv", "P+T", "d"]),
+    "present_values": ("float", ["Lh", "B", "Hkv", "P+T", "d"]),
+}
+BATCHED_TARGET_INPUTS = {
+    "input_ids": ("int64", ["B", "N"]),
+    "position_ids": ("int64", ["B", "N"]),
+    "tree_mask": ("int32", ["B", "N", "W"]),
+    "past_lengths": ("int32", ["B"]),
+    "past_keys": ("float", ["L", "B", "Hkv", "P", "d"]),
+    "past_values": ("float", ["L", "B", "Hkv", "P", "d"]),
+}
+BATCHED_TARGET_OUTPUTS = {
+    "logits": ("float", ["B", "N", "V"]),
+    "argmax_ids": ("int64", ["B", "N"]),
+    "taps": ("float", ["B", "N", "F"]),
+    "present_keys": ("float", ["L", "B", "Hkv", "P+N", "d"]),
+    "present_values": ("float", ["L", "B", "Hkv", "P+N", "d"]),
+}
+
+
+_DYNAMIC = ("B", "T", "Q", "Wq", "N", "W", "P")
+
+
+def _dynamic_axes(inputs: dict[str, tuple[str, list]]) -> dict[str, dict[int, str]]:
+    return {
+        name: {axis: sym for axis, sym in enumerate(shape) if isinstance(sym, str) and sym in _DYNAMIC}
+        for name, (_, shape) in inputs.items()
+        if any(isinstance(sym, str) and sym in _DYNAMIC for sym in shape)
+    }
+
+
+BATCHED_DYNAMIC_AXES = {
+    "head": _dynamic_axes(BATCHED_HEAD_INPUTS),
+    "target": _dynamic_axes(BATCHED_TARGET_INPUTS),
+}
+
+
+def graph_io(role: str, batched: bool = False) -> tuple[dict, dict, dict[str, dict[int, str]]]:
+    """(inputs, outputs, dynamic axes) of the `role` ("head" / "target") graph, batch-1 or batched."""
+    if role not in ("head", "target"):
+        raise ValueError(f"unknown graph role {role!r}: expected 'head' or 'target'")
+    if batched:
+        if role == "head":
+            return BATCHED_HEAD_INPUTS, BATCHED_HEAD_OUTPUTS, BATCHED_DYNAMIC_AXES["head"]
+        return BATCHED_TARGET_INPUTS, BATCHED_TARGET_OUTPUTS, BATCHED_DYNAMIC_AXES["target"]
+    if role == "head":
+        return HEAD_INPUTS, HEAD_OUTPUTS, DYNAMIC_AXES["head"]
+    return TARGET_INPUTS, TARGET_OUTPUTS, DYNAMIC_AXES["target"]
+
 
 #: where `trt_plugins/README.md`'s CMake commands put the plugin library (relative to the repository root)
 DEFAULT_PLUGIN_LIB = Path("build") / "trt_plugins" / "libjetflow_trt_plugins.so"

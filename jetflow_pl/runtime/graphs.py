@@ -9,8 +9,11 @@ embeddings), with the KV caches as explicit tensors and attention as `jetflow::t
 * variant `attention`: the packed mask is unpacked in standard ops and each layer's attention is one
   opset-23 `Attention` node (the plugin-free TensorRT path through its `IAttention` layer).
 
-Batch is 1 (one sequence per decode loop). The exporter turns them into ONNX graphs; run eagerly they are
-`TorchGraphBackend`'s compute (on CUDA the op dispatches to the Triton kernel).
+`TargetVerifyGraph` / `DraftHeadGraph` have batch 1 (one sequence per forward: the TensorRT engines' form);
+`BatchedTargetVerifyGraph` / `BatchedDraftHeadGraph` are the same computation over B requests with
+per-request KV lengths (`contract.BATCHED_*`): the tree-attention op's `past_lengths` hides each request's
+padding, its `[B, N, W]` packed mask holds each request's tree. The exporter turns them into ONNX graphs;
+run eagerly they are `TorchGraphBackend`'s compute (on CUDA the op dispatches to the Triton kernel).
 """
 
 from __future__ import annotations
@@ -82,24 +85,36 @@ class TargetVerifyGraph(nn.Module):
         past_keys: Tensor,
         past_values: Tensor,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        return self._run(input_ids, position_ids, tree_mask, past_keys, past_values)
+
+    def _run(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        tree_mask: Tensor,
+        past_keys: Tensor,
+        past_values: Tensor,
+        past_lengths: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         t = self.target
         x = t.embed_tokens(input_ids)
-        n = x.shape[1]
+        b, n = x.shape[0], x.shape[1]
+        extra = () if past_lengths is None else (past_lengths,)
         cos, sin = self.rotary_emb(x, position_ids)
         presents_k, presents_v, taps = [], [], {}
         last = t.num_layers - 1
         for i, layer in enumerate(t.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(1, n, self.num_heads, self.head_dim)
-            k = attn.k_proj(h).view(1, n, self.num_kv_heads, self.head_dim)
-            v = attn.v_proj(h).view(1, n, self.num_kv_heads, self.head_dim)
+            q = attn.q_proj(h).view(b, n, self.num_heads, self.head_dim)
+            k = attn.k_proj(h).view(b, n, self.num_kv_heads, self.head_dim)
+            v = attn.v_proj(h).view(b, n, self.num_kv_heads, self.head_dim)
             if hasattr(attn, "q_norm"):  # qwen3: per-head RMSNorm on q and k before RoPE
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            o = self.attend(q, past_keys[i], past_values[i], k, v, tree_mask, self.scaling)
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(1, n, self.num_heads * self.head_dim))
+            o = self.attend(q, past_keys[i], past_values[i], k, v, tree_mask, self.scaling, *extra)
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             presents_k.append(torch.cat([past_keys[i], k], dim=2))
             presents_v.append(torch.cat([past_values[i], v], dim=2))
@@ -116,6 +131,38 @@ class TargetVerifyGraph(nn.Module):
             torch.stack(presents_k),
             torch.stack(presents_v),
         )
+
+
+class BatchedTargetVerifyGraph(TargetVerifyGraph):
+    """`TargetVerifyGraph` over B requests (`contract.BATCHED_TARGET_INPUTS`): request `b`'s committed KV
+    rows are `[0, past_lengths[b])` of the padded `P`, its tree `tree_mask[b]` (`[B, N, W]`, padding rows
+    and columns zero). `present_*` is `past ++ new` per request, padding included (the runtime compacts)."""
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        tree_mask: Tensor,
+        past_lengths: Tensor,
+        past_keys: Tensor,
+        past_values: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        return self._run(input_ids, position_ids, tree_mask, past_keys, past_values, past_lengths)
+
+
+def own_rows_first(past_lengths: Tensor, context_lengths: Tensor, num_past, num_new) -> Tensor:
+    """int64 `[B, P + T]`: per request, the indices of `past ++ new` that put its own rows first.
+
+    Request `b`'s valid head-cache rows after a context update are `[0, past_lengths[b])` and
+    `[P, P + context_lengths[b])` of the concatenation (the rest is padding of shorter requests). The
+    tree-attention contract sees a *prefix* per request, so the attention reads the rows through this
+    gather: `[0, past) ++ [P, P + ctx)` then the padding, which is a valid prefix of `past + ctx` rows
+    (exactly where TensorRT-LLM's paged cache would have appended them). Plain Range/Less/Where ops.
+    """
+    j = torch.arange(num_past + num_new, dtype=torch.int64, device=past_lengths.device).unsqueeze(0)
+    past = past_lengths.to(torch.int64).unsqueeze(1)
+    ctx = context_lengths.to(torch.int64).unsqueeze(1)
+    return torch.where(j < past, j, torch.where(j < past + ctx, j - past + num_past, j))
 
 
 class DraftHeadGraph(nn.Module):
@@ -152,11 +199,32 @@ class DraftHeadGraph(nn.Module):
         past_keys: Tensor,
         past_values: Tensor,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return self._run(
+            context_taps, context_positions, block_ids, block_positions, block_mask, past_keys, past_values
+        )
+
+    def _run(
+        self,
+        context_taps: Tensor,
+        context_positions: Tensor,
+        block_ids: Tensor,
+        block_positions: Tensor,
+        block_mask: Tensor,
+        past_keys: Tensor,
+        past_values: Tensor,
+        past_lengths: Tensor | None = None,
+        context_lengths: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         head = self.head
         c = head.fuse(context_taps)
         ctx_emb = head.rotary_emb(c, context_positions)
         x = self.embed_tokens(block_ids).to(c.dtype)
-        q_rows = x.shape[1]
+        b, q_rows = x.shape[0], x.shape[1]
+        order = visible = None
+        if past_lengths is not None and context_lengths is not None:
+            p, t = past_keys.shape[3], context_taps.shape[1]
+            order = own_rows_first(past_lengths, context_lengths, p, t)
+            visible = (past_lengths.to(torch.int64) + context_lengths.to(torch.int64)).to(torch.int32)
         pos_emb = head.rotary_emb(x, block_positions)
         presents_k, presents_v = [], []
         for i, layer in enumerate(head.layers):
@@ -165,14 +233,58 @@ class DraftHeadGraph(nn.Module):
             pk = torch.cat([past_keys[i], ck], dim=2)
             pv = torch.cat([past_values[i], cv], dim=2)
             q, k, v = attn.project(layer.input_layernorm(x), pos_emb)
-            o = self.attend(q, pk, pv, k, v, block_mask, self.scaling)
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(1, q_rows, self.num_heads * self.head_dim))
+            if order is None:
+                o = self.attend(q, pk, pv, k, v, block_mask, self.scaling)
+            else:
+                index = order[:, None, :, None].expand(pk.shape)
+                ak, av = torch.gather(pk, 2, index), torch.gather(pv, 2, index)
+                o = self.attend(q, ak, av, k, v, block_mask, self.scaling, visible)
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, q_rows, self.num_heads * self.head_dim))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             presents_k.append(pk)
             presents_v.append(pv)
         logprobs = torch.log_softmax(self.lm_head(head.norm(x)).float(), dim=-1)
         values, ids = torch.topk(logprobs, self.topk, dim=-1)
         return values, ids, torch.stack(presents_k), torch.stack(presents_v)
+
+
+class BatchedDraftHeadGraph(DraftHeadGraph):
+    """`DraftHeadGraph` over B requests (`contract.BATCHED_HEAD_INPUTS`): request `b` has
+    `past_lengths[b]` committed head-cache rows (of the padded `P`) and `context_lengths[b]` new context
+    rows (of `T`; the rest zero padding). The block rows attend to the request's own rows only
+    (`own_rows_first`); `present_*` is `past ++ new` per request, padding included (the runtime keeps
+    each request's rows)."""
+
+    def forward(
+        self,
+        context_taps: Tensor,
+        context_positions: Tensor,
+        context_lengths: Tensor,
+        block_ids: Tensor,
+        block_positions: Tensor,
+        block_mask: Tensor,
+        past_lengths: Tensor,
+        past_keys: Tensor,
+        past_values: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return self._run(
+            context_taps,
+            context_positions,
+            block_ids,
+            block_positions,
+            block_mask,
+            past_keys,
+            past_values,
+            past_lengths,
+            context_lengths,
+        )
+
+
+def decode_graphs(head: DraftHead, target: TargetModel, topk: int, variant: str, batched: bool):
+    """(verify graph, head graph) modules of a variant, batch-1 or batched."""
+    if batched:
+        return BatchedTargetVerifyGraph(target, variant), BatchedDraftHeadGraph(head, target, topk, variant)
+    return TargetVerifyGraph(target, variant), DraftHeadGraph(head, target, topk, variant)
 
 
 def pair_config(head: DraftHead, target: TargetModel, topk: int) -> dict[str, Any]:

@@ -27,16 +27,20 @@ class OnnxRuntimeBackend(GraphBackend):
     """Speculative (or autoregressive) decoding on an exported engine directory with ONNX Runtime.
 
     `topk` (from `config.json`) bounds the tree width: `SpeculativeGenerator(width=...)` must not exceed
-    it (`check_width`).
+    it (`check_width`). `max_batch`: request slots for continuous batching (default: the engine's
+    `max_batch`; an engine of batch-1 graphs takes 1, `jetflow-export --max-batch N` writes batched ones,
+    which run the whole decoding batch in one session call per forward).
     """
 
-    def __init__(self, engine_dir: str | Path, intra_op_threads: int | None = None) -> None:
+    def __init__(
+        self, engine_dir: str | Path, intra_op_threads: int | None = None, max_batch: int | None = None
+    ) -> None:
         self.engine_dir = Path(engine_dir)
         config = load_engine_config(self.engine_dir)
         graphs = config["graphs"]
         self._target = make_session(self.engine_dir / graphs["target"]["file"], intra_op_threads)
         self._head = make_session(self.engine_dir / graphs["head"]["file"], intra_op_threads)
-        super().__init__(config, device="cpu")
+        super().__init__(config, device="cpu", max_batch=max_batch)
 
     def run_target(self, feeds):
         logits, _argmax, taps, keys, values = _run(self._target, feeds)
