@@ -467,6 +467,35 @@ def test_max_tokens_bounds_and_ignore_eos(pair, client, texts, completion_refs):
     assert long.finish_reason == "length"
 
 
+def test_stop_token_ids_end_the_request_and_keep_the_id(pair, client, texts, completion_refs):
+    """vLLM's `stop_token_ids`: the request ends at the first listed id (kept, as EOS is), finish "stop";
+    EOS still stops it unless `ignore_eos` is also set."""
+    ref = completion_refs[0]
+    stop_id = ref[3]
+    first = ref.index(stop_id)
+    out = client.completions.create(
+        model=MODEL,
+        prompt=texts[0],
+        max_tokens=len(ref) + 8,
+        temperature=0,
+        extra_body={"return_token_ids": True, "stop_token_ids": [stop_id]},
+    ).choices[0]
+    assert out.token_ids == ref[: first + 1] and out.finish_reason == "stop"
+    # an id that never occurs changes nothing: EOS (or the length) ends it as before
+    absent = next(t for t in range(pair[1].vocab_size) if t not in ref)
+    same = client.completions.create(
+        model=MODEL,
+        prompt=texts[0],
+        max_tokens=MAX_NEW,
+        temperature=0,
+        extra_body={"return_token_ids": True, "stop_token_ids": [absent]},
+    ).choices[0]
+    assert same.token_ids == ref and same.finish_reason == finish_of(ref)
+    bad = client.with_options(max_retries=0).completions.with_raw_response
+    with pytest.raises(openai.BadRequestError):
+        bad.create(model=MODEL, prompt=texts[0], max_tokens=4, extra_body={"stop_token_ids": [-1]})
+
+
 # ---------------------------------------------------------------------------------------------------
 # faults: each answered in OpenAI's error shape, and the server keeps serving
 # ---------------------------------------------------------------------------------------------------

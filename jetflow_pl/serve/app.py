@@ -9,9 +9,9 @@ with `data: [DONE]`; when the client goes away mid-stream (Starlette cancels the
 cancelled in the engine at once, which frees its KV slot. A request whose outputs turn NaN fails alone
 with a 500 (`faults.FaultGuard`); mid-stream, where the status is already sent, as an error chunk.
 
-Extensions, as vLLM spells them: `top_k`, `ignore_eos`, `return_token_ids` (the generated ids on each
-choice/chunk: the lossless check through the server; a non-streamed completion also echoes the
-`prompt_token_ids` the engine ran on), and a `jetflow` object on non-streamed responses
+Extensions, as vLLM spells them: `top_k`, `ignore_eos`, `stop_token_ids` (more ids that end a request),
+`return_token_ids` (the generated ids on each choice/chunk: the lossless check through the server; a
+non-streamed completion also echoes the `prompt_token_ids` the engine ran on), and a `jetflow` object on non-streamed responses
 (tau, rounds, TTFT and latency of the request).
 """
 
@@ -207,6 +207,15 @@ def create_app(
             )
         return max_tokens
 
+    def _stop_ids(body: P._Sampling) -> list[int] | None:
+        """The request's stop ids for the engine: None = its default (EOS); `ignore_eos` drops EOS,
+        `stop_token_ids` adds to whichever of the two applies."""
+        extra = [int(t) for t in body.stop_token_ids or ()]
+        if not body.ignore_eos and not extra:
+            return None
+        eos = [] if body.ignore_eos else sorted(driver.engine.generator.eos_ids)
+        return eos + [t for t in extra if t not in eos]
+
     async def _generate(
         body: P._Sampling, ids: list[int], max_tokens: int | None, chat: bool, request: Request
     ) -> Response:
@@ -216,7 +225,7 @@ def create_app(
         except ValueError as err:
             raise P.ServeError(400, str(err)) from err
         ticket = Ticket(asyncio.get_running_loop())
-        driver.submit(ticket, ids, max_tokens, sampling, stop_ids=[] if body.ignore_eos else None)
+        driver.submit(ticket, ids, max_tokens, sampling, stop_ids=_stop_ids(body))
         first = await ticket.events.get()
         if first[0] == "error":
             raise _map_error(first[1])

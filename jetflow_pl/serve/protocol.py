@@ -4,15 +4,16 @@ the error JSON.
 Only what the engine can honour is accepted: one choice (`n=1`), no logprobs/echo/penalties/tools; such
 a request is refused with a 400 that names the field, as OpenAI does for a bad parameter, rather than
 silently answered as if the parameter had been applied. Unknown extra fields are ignored (clients send
-vendor fields freely). Extensions, as vLLM spells them: `top_k`, `ignore_eos`, `return_token_ids` (the
-generated ids as `token_ids` on each choice; a non-streamed completion also carries `prompt_token_ids`).
+vendor fields freely). Extensions, as vLLM spells them: `top_k`, `ignore_eos`, `stop_token_ids` (ids that
+end the request besides EOS, kept in the output as EOS is), `return_token_ids` (the generated ids as
+`token_ids` on each choice; a non-streamed completion also carries `prompt_token_ids`).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -72,6 +73,7 @@ class _Sampling(BaseModel):
     logprobs: Any = None
     user: str | None = None
     ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=64)
     return_token_ids: bool = False
 
     def stop_strings(self) -> list[str]:
