@@ -151,7 +151,13 @@ class CompletionClient:
         sleep: Callable[[float], Any] | None = None,
         rng: random.Random | None = None,
     ) -> None:
-        import openai
+        try:
+            import openai
+        except ImportError as err:
+            raise UserInputError(
+                "regenerating through an endpoint needs the official openai client: "
+                "pip install 'jetflow-pl[endpoint]' (or pip install openai)"
+            ) from err
 
         self.base_url = base_url.rstrip("/")
         self.retry = retry or RetryPolicy()
