@@ -4,6 +4,10 @@
         --head data_gen/toy/assets/small_head --batch 1 2 4 8 --budgets 0 4 16 auto \\
         --requests 16 --max-tokens 48 --out bench/results/batching_toy.json
 
+    # ONNX Runtime: an engine directory with batched graphs (jetflow-export --max-batch N)
+    OMP_NUM_THREADS=1 python bench/batching.py --backend onnxruntime --engine-dir engines/toy-batched \
+        --threads 1 --batch 1 2 4 --budgets 0 4 16 auto --out bench/results/batching_toy_ort.json
+
 No server in between (`bench/serve_load.py` measures through HTTP): the `DecodeEngine` itself, as a
 server steps it. For each batch size B and configuration (0 = AR: the same engine, batching and backend,
 no draft), a closed loop keeps B requests in flight (a new one joins as soon as one finishes) until
@@ -48,6 +52,7 @@ from jetflow_pl.decoding import SpeculativeGenerator  # noqa: E402
 from jetflow_pl.decoding.budget import ACCEPTANCE_PROFILE_FILE, AcceptanceProfile, AutoBudget  # noqa: E402
 from jetflow_pl.generate_cli import _load_tokenizer  # noqa: E402
 from jetflow_pl.head import DraftHead  # noqa: E402
+from jetflow_pl.runtime.ort_backend import OnnxRuntimeBackend  # noqa: E402
 from jetflow_pl.runtime.torch_backend import TorchBackend  # noqa: E402
 from jetflow_pl.target import TargetModel  # noqa: E402
 
@@ -112,8 +117,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"auto's acceptance prior (default: {ACCEPTANCE_PROFILE_FILE} beside the head, else none)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--backend", choices=["torch", "onnxruntime"], default="torch")
+    p.add_argument(
+        "--engine-dir",
+        type=Path,
+        default=None,
+        help="--backend onnxruntime: an engine directory with batched graphs (jetflow-export --max-batch N); "
+        "--threads sets its intra-op threads",
+    )
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
+    if args.backend == "onnxruntime" and args.engine_dir is None:
+        p.error("--backend onnxruntime needs --engine-dir")
     if "0" not in args.budgets:
         args.budgets = ["0", *args.budgets]  # the baseline and the lossless reference
 
@@ -126,9 +141,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if prior_path is None and (args.head / ACCEPTANCE_PROFILE_FILE).is_file():
         prior_path = args.head / ACCEPTANCE_PROFILE_FILE
     prior = AcceptanceProfile.load(prior_path) if prior_path is not None else None
-    head = DraftHead.from_pretrained(str(args.head)).eval()
-    target = TargetModel.from_pretrained(args.target, head.config.target_layer_ids)
-    tokenizer = _load_tokenizer(args.target)
+    if args.backend == "torch":
+        head = DraftHead.from_pretrained(str(args.head)).eval()
+        target = TargetModel.from_pretrained(args.target, head.config.target_layer_ids)
+        tokenizer = _load_tokenizer(args.target)
+        model_name = args.target.name
+
+        def make_backend(batch: int):
+            return TorchBackend(target, head, max_batch=batch)
+    else:
+        tokenizer = _load_tokenizer(args.engine_dir / "tokenizer")
+        model_name = f"{args.engine_dir.name} (onnxruntime)"
+
+        def make_backend(batch: int):
+            return OnnxRuntimeBackend(args.engine_dir, intra_op_threads=args.threads, max_batch=batch)
+
     eos = tokenizer.eos_token_id
     prompts = read_prompts(args.prompts, tokenizer, args.n_prompts, True)
     cache_dir = args.cache_dir or Path(tempfile.mkdtemp(prefix="jetflow_costs_"))
@@ -138,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for B in args.batch:
             reference = None
             for budget in args.budgets:
-                backend = TorchBackend(target, head, max_batch=B)
+                backend = make_backend(B)
                 policy = AutoBudget(prior=prior, cache_dir=cache_dir) if budget == "auto" else int(budget)
                 gen = SpeculativeGenerator(backend, policy, args.width, eos_token_id=eos)
                 closed_loop(gen, B, prompts[::-1], args.warmup, args.max_tokens)  # untimed
@@ -202,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for budget in args.budgets
     }
     title = (
-        f"continuous batching (engine in-process): {args.target.name}, {args.requests} greedy requests per "
+        f"continuous batching (engine in-process): {model_name}, {args.requests} greedy requests per "
         f"batch size, {args.max_tokens} max tokens, {torch.get_num_threads()} thread(s), median of {args.repeats}"
     )
     png = plot_load(series, "requests in flight (batch size)", title, args.out.with_suffix(".png"))
