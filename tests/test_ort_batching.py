@@ -120,6 +120,37 @@ def test_batched_engine_records_its_layout_and_follows_the_batched_contract(engi
     assert all(c["ok"] for g in config["parity"]["graphs"].values() for c in g.values())
 
 
+def test_engine_config_layout_must_match_its_graphs(engines, tmp_path):
+    """A config whose `batched` flag contradicts its graphs' inputs (or asks batch-1 graphs for slots) is
+    one clear error at load, not a wrong feed at the first forward."""
+    import json
+    import shutil
+
+    from jetflow_pl.runtime.contract import CONFIG_FILE
+
+    broken = tmp_path / "broken"
+    shutil.copytree(engines["portable"], broken)
+    config = json.loads((broken / CONFIG_FILE).read_text())
+    (broken / CONFIG_FILE).write_text(json.dumps({**config, "batched": False, "max_batch": 1}))
+    with pytest.raises(ValueError, match="not the batch-1 contract"):
+        load_engine_config(broken)
+    (broken / CONFIG_FILE).write_text(json.dumps({**config, "batched": False, "max_batch": 4}))
+    with pytest.raises(ValueError, match="needs batched graphs"):
+        load_engine_config(broken)
+
+
+def test_head_graph_reads_each_requests_own_rows_first():
+    """`past ++ new` of a padded batch: request 0 has 2 of P = 2 cached rows and 1 of T = 3 new ones,
+    request 1 none cached and 3 new: the attention's view starts with exactly each request's rows."""
+    from jetflow_pl.runtime.graphs import own_rows_first
+
+    order = own_rows_first(
+        torch.tensor([2, 0], dtype=torch.int32), torch.tensor([1, 3], dtype=torch.int32), 2, 3
+    )
+    assert order[0, :3].tolist() == [0, 1, 2] and order[1, :3].tolist() == [2, 3, 4]
+    assert bool((order >= 0).all()) and bool((order < 5).all())  # padding indices stay in range
+
+
 def test_batch1_graphs_refuse_more_than_one_slot(pair):
     head, target = pair
     with pytest.raises(ValueError, match="batched graphs"):

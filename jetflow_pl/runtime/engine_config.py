@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jetflow_pl.runtime.contract import CONFIG_FILE, VARIANTS
+from jetflow_pl.runtime.contract import CONFIG_FILE, VARIANTS, graph_io
 
 FORMAT = "jetflow-engine"
 FORMAT_VERSION = 1
@@ -57,8 +57,22 @@ def load_engine_config(engine_dir: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path} lacks required keys: {', '.join(missing)}")
     if config["variant"] not in VARIANTS:
         raise ValueError(f"{path}: unknown variant {config['variant']!r} (expected one of {VARIANTS})")
+    batched, max_batch = config.get("batched", False), config.get("max_batch", 1)
+    if not isinstance(batched, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(
+            f"{path}: 'batched' must be true/false and 'max_batch' an integer >= 1, got "
+            f"{batched!r} and {max_batch!r}"
+        )
+    if max_batch > 1 and not batched:
+        raise ValueError(f"{path}: max_batch {max_batch} needs batched graphs ('batched': true)")
     for role in ("head", "target"):
         graph = config["graphs"].get(role, {})
+        want = list(graph_io(role, batched)[0])
+        if "inputs" in graph and list(graph["inputs"]) != want:
+            layout = "batched" if batched else "batch-1"
+            raise ValueError(
+                f"{path}: the {role} graph's inputs {graph['inputs']} are not the {layout} contract's {want}"
+            )
         file = graph.get("file")
         if not file or not (engine_dir / file).is_file():
             raise FileNotFoundError(
