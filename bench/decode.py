@@ -7,7 +7,9 @@ untrained (random init): tau then shows the loop's floor, not the method's ceili
 
 The measuring pieces are plain functions (`load_target`, `domain_prompts`, `run_prompts`,
 `tokens_per_s`, `spec_summary`, `accept_histogram`) so that `bench/run_all.py` computes its numbers with
-the same code and the same metric definitions (docs/DESIGN.md section 4) as this script.
+the same code and the same metric definitions (docs/DESIGN.md section 4) as this script. Per-round
+metrics (`RoundRecorder`: accept length and rank-1 branch faithfulness of every verified tree) and the
+prompt-level bootstrap (`bootstrap_interval`) serve `bench/ablation.py`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,9 +33,11 @@ if str(REPO) not in sys.path:  # `python bench/decode.py` from anywhere
 from data_gen.toy.splits import DOMAINS, heldout_prompts  # noqa: E402
 from data_gen.toy.tokenizer import prompt_ids  # noqa: E402
 from jetflow_pl.decoding import ARGenerator, GenerationResult, SpeculativeGenerator  # noqa: E402
+from jetflow_pl.decoding.budget import FixedBudget  # noqa: E402
 from jetflow_pl.generate_cli import load_head_or_untrained  # noqa: E402
 from jetflow_pl.runtime.loader import BACKEND_KINDS, load_backend  # noqa: E402
 from jetflow_pl.target import TargetModel  # noqa: E402
+from jetflow_pl.tree import DraftTree  # noqa: E402
 
 
 def load_target(target_dir: Path):
@@ -77,6 +82,101 @@ def accept_histogram(runs: Sequence[GenerationResult]) -> dict[str, int]:
         for k in r.accept_lengths:
             counts[k] = counts.get(k, 0) + 1
     return {str(k): counts[k] for k in sorted(counts)}
+
+
+def best_leaf_branch(tree: DraftTree) -> list[int]:
+    """Node ids (root first) of the tree's rank-1 branch: the root-to-leaf path ending at the leaf with
+    the highest cumulative draft log-probability (`tree.scores`; ties go to the node inserted first, as in
+    `build_tree`). The root alone when the tree has no draft node.
+
+    Why a leaf and not any node: a path to an inner node is a prefix of a longer drafted branch, so the
+    question "does the target accept the head's single best guess in full" is asked of whole branches."""
+    if tree.num_nodes == 1:
+        return [0]
+    has_child = [False] * tree.num_nodes
+    for p in tree.parents.tolist()[1:]:
+        has_child[p] = True
+    scores = tree.scores.tolist()
+    best = None
+    for i in range(1, tree.num_nodes):
+        if not has_child[i] and (best is None or scores[i] > scores[best]):
+            best = i
+    return tree.path(best)
+
+
+def greedy_branch(tree: DraftTree) -> list[int]:
+    """Node ids (root first) of the greedy descent: from the root, always the highest-scoring child (ties:
+    the first inserted) down to a leaf; with the same per-depth top-k under every parent this is the chain
+    of the head's per-depth argmax tokens, as far as the tree expanded it."""
+    children: list[list[int]] = [[] for _ in range(tree.num_nodes)]
+    for i, p in enumerate(tree.parents.tolist()):
+        if i:
+            children[p].append(i)
+    scores = tree.scores.tolist()
+    out = [0]
+    while children[out[-1]]:
+        kids = children[out[-1]]
+        best = kids[0]
+        for c in kids[1:]:
+            if scores[c] > scores[best]:
+                best = c
+        out.append(best)
+    return out
+
+
+def branch_accepted(branch: Sequence[int], accepted: Sequence[int]) -> bool:
+    """Whether the target accepted every node of `branch` (node ids, root first): the accepted path
+    (root first) starts with it. A branch that ends at a leaf is then exactly the accepted path."""
+    return list(accepted[: len(branch)]) == list(branch)
+
+
+def accepted_prefix(branch: Sequence[int], accepted: Sequence[int]) -> int:
+    """How many draft nodes of `branch` (root first) the target accepted before the first rejection."""
+    n = 0
+    for b, a in zip(branch[1:], accepted[1:], strict=False):
+        if b != a:
+            break
+        n += 1
+    return n
+
+
+@dataclass
+class RoundRecorder(FixedBudget):
+    """A fixed budget that records every verified round (`SpeculativeGenerator(backend, RoundRecorder(k))`):
+    the accept length (tokens committed: accepted drafts + 1), whether the rank-1 branch
+    (`best_leaf_branch`) and the greedy branch (`greedy_branch`) were accepted in full, their lengths
+    and how many of the rank-1 branch's drafts were accepted. Clear `rounds` between prompts to keep them apart."""
+
+    rounds: list[dict] = field(default_factory=list)
+
+    def observe(self, tree: DraftTree, accepted: Sequence[int]) -> None:
+        best, greedy = best_leaf_branch(tree), greedy_branch(tree)
+        self.rounds.append(
+            {
+                "accept_length": len(accepted),
+                "rank1_faithful": branch_accepted(best, accepted),
+                "rank1_depth": len(best) - 1,
+                "rank1_accepted": accepted_prefix(best, accepted),
+                "greedy_faithful": branch_accepted(greedy, accepted),
+                "greedy_depth": len(greedy) - 1,
+            }
+        )
+
+
+def bootstrap_interval(
+    statistic: Callable[[Sequence[int]], float], n_items: int, n_resamples: int = 2000, seed: int = 0
+) -> tuple[float, float]:
+    """Percentile 95% interval of `statistic(indices)` over `n_resamples` resamples (with replacement) of
+    `n_items` items, seeded. Resample PROMPTS, not rounds: rounds of one prompt are correlated (the same
+    text), so a round-level bootstrap understates the spread. A paired comparison of two heads passes one
+    statistic that reads both heads at the same indices (the same prompts)."""
+    import random
+
+    if n_items < 1:
+        raise ValueError("bootstrap_interval needs at least one item")
+    rng = random.Random(seed)
+    values = sorted(statistic([rng.randrange(n_items) for _ in range(n_items)]) for _ in range(n_resamples))
+    return values[int(0.025 * n_resamples)], values[int(0.975 * n_resamples) - 1]
 
 
 def spec_summary(runs: Sequence[GenerationResult], ar_runs: Sequence[GenerationResult]) -> dict:
