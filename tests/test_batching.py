@@ -181,21 +181,32 @@ def chi2_critical(df: int, z: float = 3.09) -> float:
     return df * (1.0 - a + z * a**0.5) ** 3
 
 
-def exact_pair_probs(
-    target: TargetModel, prompt: list[int], cfg: SamplingConfig
-) -> dict[tuple[int, int], float]:
-    """P(t1, t2) under the target's processed distribution: t1 from the prompt's last logits, t2 given
-    prompt + t1 (the first token comes from the prefill, the second from a speculative round). Pairs
-    whose first token is rarer than one in SEEDS draws are left out: `chi_square` pools their mass."""
-    ids = torch.tensor([prompt])
+#: tokens per sampled request in the exactness check: t1 comes from the prefill's last row, t2 from the
+#: first round's root row, t3 from the row of the node t2 landed on -- a drafted child's row (verified
+#: under the tree mask) whenever the tree held t2, which is the speculative path under test
+SAMPLED_TOKENS = 3
+
+
+def exact_prefix_probs(
+    target: TargetModel, prompt: list[int], cfg: SamplingConfig, length: int = SAMPLED_TOKENS
+) -> dict[tuple[int, ...], float]:
+    """P(t1..t_length) under the target's processed distribution, each token given the prompt and the
+    tokens before it (plain forwards, no cache, no tree). Prefixes rarer than one in SEEDS draws are not
+    extended: `chi_square` pools their mass."""
+    out: dict[tuple[int, ...], float] = {(): 1.0}
     with torch.no_grad():
-        p1 = processed_probs(target(ids, logits_positions="last").logits[0, -1], cfg)
-        out = {}
-        for t1 in torch.nonzero(p1 * SEEDS >= 1).flatten().tolist():
-            nxt = torch.tensor([[*prompt, t1]])
-            p2 = processed_probs(target(nxt, logits_positions="last").logits[0, -1], cfg)
-            for t2 in torch.nonzero(p2 > 1e-7).flatten().tolist():
-                out[(t1, t2)] = float(p1[t1] * p2[t2])
+        for depth in range(length):
+            last = depth == length - 1
+            grown: dict[tuple[int, ...], float] = {}
+            for prefix, mass in out.items():
+                if not last and mass * SEEDS < 1:
+                    continue
+                ids = torch.tensor([[*prompt, *prefix]])
+                p = processed_probs(target(ids, logits_positions="last").logits[0, -1], cfg)
+                keep = p * mass * SEEDS >= 1 if not last else p > 1e-7
+                for t in torch.nonzero(keep).flatten().tolist():
+                    grown[(*prefix, t)] = float(mass * p[t])
+            out = grown
     return out
 
 
@@ -218,7 +229,7 @@ def chi_square(counts: dict, probs: dict, n: int) -> tuple[float, int]:
 
 def check_sampling_is_exact(make_backend, target, prompts: list[list[int]], batch: int) -> None:
     """Every (prompt, setting) pair is submitted SEEDS times with distinct seeds to one engine (requests
-    with different settings decode side by side); the (first, second) token counts of each pair must fit
+    with different settings decode side by side); the counts of each pair's first SAMPLED_TOKENS tokens must fit
     the exact processed distribution."""
     gen = SpeculativeGenerator(make_backend(batch), budget=16, width=4, eos_token_id=None)
     engine = gen.engine(max_batch=batch, prefill_chunk=32)
@@ -226,32 +237,35 @@ def check_sampling_is_exact(make_backend, target, prompts: list[list[int]], batc
     for seed in range(SEEDS):
         for j, cfg in enumerate(SAMPLING):
             s = SamplingConfig(cfg.temperature, cfg.top_k, cfg.top_p, seed=1000 * j + seed)
-            handles.append((j, engine.submit(prompts[j], 2, s)))
+            handles.append((j, engine.submit(prompts[j], SAMPLED_TOKENS, s)))
     engine.run()
-    accepted_drafts = 0
     for j, cfg in enumerate(SAMPLING):
         counts: dict[tuple[int, int], int] = {}
+        accepted_drafts = 0
         for jj, h in handles:
             if jj == j:
-                key = (h.tokens[0], h.tokens[1])
+                key = tuple(h.tokens[:SAMPLED_TOKENS])
                 counts[key] = counts.get(key, 0) + 1
                 accepted_drafts += h.result.accept_lengths[0] > 1
-        probs = exact_pair_probs(target, prompts[j], cfg)
+        probs = exact_prefix_probs(target, prompts[j], cfg)
         assert sum(probs.values()) <= 1.0 + 1e-5
         stat, df = chi_square(counts, probs, SEEDS)
         assert df >= 2, (j, counts)  # a real distribution, not a near-deterministic one
         assert stat < chi2_critical(df), (j, stat, df, counts)
-    # the second token came out of the tree often: the speculative path, not the bonus token, was tested
-    print("accepted drafts", accepted_drafts, "of", len(handles))
-    assert accepted_drafts > len(handles) // 4
+        # in every setting t2 was in the tree often, so t3 was drawn from a drafted node's verify row:
+        # the speculative path produced a good part of the counts the chi-square judged
+        assert accepted_drafts > SEEDS // 4, (j, accepted_drafts, SEEDS)
 
 
 @pytest.fixture(scope="module")
 def spread_prompts() -> list[list[int]]:
-    """Prose questions: the toy target's next-token entropy there is ~2 nats (math is near-deterministic)."""
+    """One prose question per sampling setting: the toy target's next-token entropy on prose is ~2 nats
+    (math is near-deterministic: no spread to test), and on this question the shipped toy head's tree
+    supplies the second token in 53-80% of the draws across the four settings (on the other held-out
+    prose questions in 0-20%: a chi-square there would mostly test the residual draw, not acceptance)."""
     tok = AutoTokenizer.from_pretrained(SMALL_TARGET_DIR)
     rows = heldout_prompts("prose", 6)
-    return [prompt_ids(tok, rows[i]["prompt"]) for i in (0, 1, 2, 4)]
+    return [prompt_ids(tok, rows[4]["prompt"])] * len(SAMPLING)
 
 
 @pytest.mark.slow
