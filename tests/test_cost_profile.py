@@ -4,6 +4,7 @@ to another model or machine. No assertion on the measured times themselves (no w
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -192,3 +193,19 @@ def test_measured_ratios_are_monotone_and_spread_is_recorded(backend):
     assert ratios[0] == 1.0 and all(a <= b for a, b in zip(ratios, ratios[1:], strict=False))
     assert prof.spread >= 0.0 and isinstance(prof.noisy, bool)
     assert ("NOISY" in prof.summary()) == prof.noisy
+
+
+def test_fingerprint_tells_batched_graphs_from_batch_1_graphs():
+    """An engine exported with --max-batch runs other graphs (padded KV, per-request lengths): its costs
+    are not a batch-1 engine's of the same model and variant, so the two never share a cached profile."""
+
+    class Engine:  # the two attributes `fingerprint` reads from a graph backend
+        def __init__(self, batched: bool) -> None:
+            self.config = {"target": {"num_layers": 2}, "head": {"num_layers": 1}, "variant": "portable"}
+            if batched:
+                self.config.update(batched=True, max_batch=4)
+            self.device = "cpu"
+
+    one, many = fingerprint(Engine(False)), fingerprint(Engine(True))
+    assert one["backend"].endswith("Engine/portable") and many["backend"].endswith("Engine/portable+batched")
+    assert cache_file(one, Path("c")) != cache_file(many, Path("c"))

@@ -153,7 +153,10 @@ def fingerprint(backend: DecodeBackend) -> dict[str, Any]:
         gpu = torch.cuda.get_device_name(device)
     ident = model_identity(backend)
     kind = type(backend).__qualname__
-    variant = (getattr(backend, "config", None) or {}).get("variant") if kind != "TorchBackend" else None
+    config = (getattr(backend, "config", None) or {}) if kind != "TorchBackend" else {}
+    variant = config.get("variant")
+    if config.get("batched"):  # batched graphs run other shapes (padded KV, per-request lengths)
+        variant = f"{variant}+batched"
     return {
         "cpu": cpu_model(),
         "gpu": gpu,
