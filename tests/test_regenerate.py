@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from regen_configs import predict_run_config
 
 from data_gen.regenerate import (
     OutputFolderError,
@@ -125,34 +126,12 @@ def _hf_alone(model, prompt: list[int], max_new: int, stop_ids: list[int]) -> li
 
 def predict_config(tmp_path, out, target_dir, tokenizer_dir, source: str, max_new_tokens: int) -> dict:
     """A LightningCLI predict config for a regeneration run into `out` (shards of 2 rows)."""
-    return {
-        "return_predictions": False,
-        "trainer": {
-            "accelerator": "cpu",
-            "devices": 1,
-            "logger": False,
-            "enable_progress_bar": False,
-            "default_root_dir": str(tmp_path / "logs"),
-            "callbacks": [
-                {
-                    "class_path": "data_gen.regenerate.writer.RegenerationWriter",
-                    "init_args": {"output_dir": str(out), "shard_size": 2},
-                }
-            ],
-        },
-        "model": {
-            "class_path": "data_gen.regenerate.module.RegenerationModule",
-            "init_args": {
-                "target_path": str(target_dir),
-                "tokenizer_path": str(tokenizer_dir),
-                "max_new_tokens": max_new_tokens,
-            },
-        },
-        "data": {
-            "class_path": "data_gen.regenerate.prompts.PromptDataModule",
-            "init_args": {"source": source, "batch_size": 2},
-        },
+    args = {
+        "target_path": str(target_dir),
+        "tokenizer_path": str(tokenizer_dir),
+        "max_new_tokens": max_new_tokens,
     }
+    return predict_run_config(tmp_path, out, args, source)
 
 
 def test_greedy_batched_generation_equals_hf_generate_alone(module):

@@ -41,6 +41,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from regen_configs import ENDPOINT, predict_run_config
 
 from data_gen.regenerate import PromptDataModule, RegenerationModule
 from data_gen.regenerate.endpoint import (
@@ -219,40 +220,18 @@ def test_greedy_rows_through_the_endpoint_equal_in_process(tmp_path, server, ref
 
 
 def _endpoint_config(tmp: Path, out: Path, base_url: str) -> Path:
-    cfg = {
-        "return_predictions": False,
-        "trainer": {
-            "accelerator": "cpu",
-            "devices": 1,
-            "logger": False,
-            "enable_progress_bar": False,
-            "default_root_dir": str(tmp / "logs"),
-            "callbacks": [
-                {
-                    "class_path": "data_gen.regenerate.endpoint.EndpointRegenerationWriter",
-                    "init_args": {"output_dir": str(out), "shard_size": 2},
-                }
-            ],
-        },
-        "model": {
-            "class_path": "data_gen.regenerate.endpoint.EndpointRegenerationModule",
-            "init_args": {
-                "base_url": base_url,
-                "model": MODEL,
-                "tokenizer_path": str(SMALL_TARGET_DIR),
-                "max_new_tokens": MAX_NEW,
-                "concurrency": 2,
-                "request_timeout_s": 30,
-                "max_retries": 3,
-                "backoff_s": 0.05,
-                "max_backoff_s": 0.2,
-            },
-        },
-        "data": {
-            "class_path": "data_gen.regenerate.prompts.PromptDataModule",
-            "init_args": {"source": SOURCE, "batch_size": 2},
-        },
+    args = {
+        "base_url": base_url,
+        "model": MODEL,
+        "tokenizer_path": str(SMALL_TARGET_DIR),
+        "max_new_tokens": MAX_NEW,
+        "concurrency": 2,
+        "request_timeout_s": 30,
+        "max_retries": 3,
+        "backoff_s": 0.05,
+        "max_backoff_s": 0.2,
     }
+    cfg = predict_run_config(tmp, out, args, SOURCE, classes=ENDPOINT)
     path = tmp / "regen.yaml"
     path.write_text(json.dumps(cfg))  # JSON is YAML
     return path

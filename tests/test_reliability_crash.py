@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from regen_configs import predict_run_config
 
 from data_gen.regenerate import writer as writer_mod
 from data_gen.regenerate.writer import list_shards, shard_ids
@@ -85,34 +86,8 @@ def regen_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def regen_config(tmp: Path, out: Path, target: Path) -> Path:
-    cfg = {
-        "return_predictions": False,
-        "trainer": {
-            "accelerator": "cpu",
-            "devices": 1,
-            "logger": False,
-            "enable_progress_bar": False,
-            "default_root_dir": str(tmp / "logs"),
-            "callbacks": [
-                {
-                    "class_path": "data_gen.regenerate.writer.RegenerationWriter",
-                    "init_args": {"output_dir": str(out), "shard_size": 2},
-                }
-            ],
-        },
-        "model": {
-            "class_path": "data_gen.regenerate.module.RegenerationModule",
-            "init_args": {
-                "target_path": str(target),
-                "tokenizer_path": str(SMALL),
-                "max_new_tokens": MAX_NEW,
-            },
-        },
-        "data": {
-            "class_path": "data_gen.regenerate.prompts.PromptDataModule",
-            "init_args": {"source": SOURCE, "batch_size": 2},
-        },
-    }
+    args = {"target_path": str(target), "tokenizer_path": str(SMALL), "max_new_tokens": MAX_NEW}
+    cfg = predict_run_config(tmp, out, args, SOURCE)
     path = tmp / f"{out.name}.yaml"
     path.write_text(json.dumps(cfg))  # JSON is YAML
     return path
