@@ -13,6 +13,7 @@ batched logits are compared with the torch backend's batched logits under the ex
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import onnx
@@ -316,3 +317,52 @@ def test_ort_batched_sampling_is_exact_per_request(engines, pair, spread_prompts
         spread_prompts,
         batch=4,
     )
+
+
+# ---------------------------------------------------------------------------------------------------
+# served: a batched engine directory behind jetflow-serve batches its requests
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_batched_engine_is_served_in_batches_and_exact(engines, requests, references):
+    """`jetflow-serve --engine-dir` of a batched engine keeps the engine's slots (`--max-batch 8` is
+    clamped to its 4, not to 1 as for a batch-1 engine); concurrent greedy requests, sent as token ids,
+    each get exactly the target's own tokens."""
+    import openai
+
+    from jetflow_pl.serve.cli import build_parser, make_app
+    from jetflow_pl.serve.runner import ServerThread
+
+    args = build_parser().parse_args(
+        [
+            "--engine-dir",
+            str(engines["portable"]),
+            "--budget",
+            "16",
+            "--max-batch",
+            "8",
+            "--served-model-name",
+            "m",
+        ]
+    )
+    app = make_app(args)
+    assert app.state.driver.engine.max_batch == MAX_BATCH
+    jobs = list(zip(requests[:6], references[:6], strict=True))
+    with ServerThread(app) as srv:
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60) as cl:
+
+            def ask(job) -> list[int]:
+                (prompt, max_new), _ = job
+                choice = cl.completions.create(
+                    model="m",
+                    prompt=list(prompt),
+                    max_tokens=max_new,
+                    temperature=0,
+                    extra_body={"return_token_ids": True},
+                ).choices[0]
+                return choice.token_ids
+
+            with ThreadPoolExecutor(len(jobs)) as pool:
+                got = list(pool.map(ask, jobs))
+    for ((_, max_new), ref), ids in zip(jobs, got, strict=True):
+        assert ids == ref[:max_new]

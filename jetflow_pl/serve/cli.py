@@ -146,8 +146,9 @@ def make_app(args: argparse.Namespace):
     max_batch = min(args.max_batch, int(as_batch_backend(gen.backend).max_batch))
     if max_batch < args.max_batch:
         log.warning(
-            "%s serves one request at a time: --max-batch %d -> %d",
+            "%s decodes at most %d request(s) at a time: --max-batch %d -> %d",
             type(gen.backend).__name__,
+            max_batch,
             args.max_batch,
             max_batch,
         )
