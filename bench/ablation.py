@@ -1,6 +1,6 @@
 """Causal vs bidirectional draft heads, trained identically, at uniform offset weights and at gamma 7.
 
-    OMP_NUM_THREADS=1 python bench/ablation.py all --steps 1000 --out bench/results/ablation_toy.json
+    OMP_NUM_THREADS=1 python bench/ablation.py all --steps 800 --out bench/results/ablation_toy.json
 
 The paper's ablation (JetFlow/JetSpec) on the toy world: four heads from ONE base config
 (`configs/distill/toy_ablation.yaml`: 2 head layers, the raw toy corpora, seed 0), differing only in the
@@ -23,8 +23,10 @@ Stages (each resumable: a trained head, an evaluated head and the evidence are k
   along its own greedy continuations, and how far the depth-2 MARGINAL (what a head that does not see its
   own drafted token can at best predict) is from the depth-2 CONDITIONAL given the right depth-1 token;
   for the toy target and, when present, the real target (models/SmolLM2-135M-Instruct) on the same prompts.
+- `refine`: math again with branch-conditioned refinement (`--refine-factor`), the one decode mode in
+  which a head reads its own drafted tokens (so causal attention can condition a depth on the branch).
 - `report`: statistics, ratios and the goal check into the JSON, figures (`--plots DIR`), markdown tables.
-- `all`: the four in order.
+- `all`: every stage, in this order.
 """
 
 from __future__ import annotations
@@ -174,7 +176,9 @@ def check_disjoint(prompts_text: dict[str, list[str]], counts: dict[str, int]) -
     }
 
 
-def decode_head(backend, prompts: dict, plan: dict, width: int, eos: int, ar_tokens) -> dict:
+def decode_head(
+    backend, prompts: dict, plan: dict, width: int, eos: int, ar_tokens, refine_factor: int = 0
+) -> dict:
     """Per domain and budget, one record per prompt: tau, rounds, accept-length histogram, rank-1 and
     greedy branch faithful rounds, and whether the tokens equal AR's (lossless check)."""
     from jetflow_pl.decoding import SpeculativeGenerator
@@ -185,7 +189,7 @@ def decode_head(backend, prompts: dict, plan: dict, width: int, eos: int, ar_tok
         budgets, max_new = plan[domain]["budgets"], plan[domain]["max_new_tokens"]
         for b in budgets:
             rec = RoundRecorder(b)
-            gen = SpeculativeGenerator(backend, rec, width, eos_token_id=eos)
+            gen = SpeculativeGenerator(backend, rec, width, eos_token_id=eos, refine_factor=refine_factor)
             rows = []
             for i, p in enumerate(ids):
                 rec.rounds.clear()
@@ -430,6 +434,16 @@ def report(results: dict, n_boot: int) -> dict:
             if isinstance(r, dict) and "256" in r
         }
     results["stats"], results["ratios"] = stats, ratios
+    rf = results.get("refine", {})
+    if rf:
+        results["refine_stats"] = {
+            h: {b: cell_stats(rf[h]["math"][b], n_boot) for b in rf[h]["math"]} for h in rf
+        }
+        results["refine_ratios"] = {
+            pair: {b: ratio_stats(rf[c]["math"][b], rf[d]["math"][b], n_boot) for b in rf[c]["math"]}
+            for pair, (c, d, _) in PAIRS.items()
+            if c in rf and d in rf
+        }
     return results
 
 
@@ -484,6 +498,30 @@ def tables_md(results: dict) -> str:
         lines += ["| head | " + " | ".join(f"k={k}" for k in range(1, 11)) + " |", "|---|" + "---:|" * 10]
         for h in heads:
             lines.append(f"| {h} | " + " | ".join(f"{x:.2f}" for x in st[h]["math"][top][key][:10]) + " |")
+        lines.append("")
+    rs = results.get("refine_stats")
+    if rs:
+        f = results["refine_settings"]["refine_factor"]
+        lines += [
+            f"Math with branch-conditioned refinement (refine_factor {f}): tau, rank-1 faithfulness [95% CI]:",
+            "",
+        ]
+        lines += [
+            "| head | budget | tau (refined) | tau (plain) | rank-1 (refined) |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for h, cells in rs.items():
+            for b, c in cells.items():
+                plain = st[h]["math"][b]
+                lines.append(
+                    f"| {h} | {b} | {_ci(c['tau'], c['tau_ci95'])} | {_ci(plain['tau'], plain['tau_ci95'])} | "
+                    f"{_ci(c['rank1_faithful'], c['rank1_faithful_ci95'])} |"
+                )
+        for pair, cells in results["refine_ratios"].items():
+            for b, x in cells.items():
+                lines.append(
+                    f"| ratio {pair} | {b} | {x['ratio']:.3f} [{x['ci95'][0]:.2f}-{x['ci95'][1]:.2f}] | | |"
+                )
         lines.append("")
     ev = results.get("evidence")
     if ev:
@@ -590,11 +628,11 @@ def plots(results: dict, out: Path) -> list[Path]:
 # ----------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("stage", choices=["train", "eval", "evidence", "report", "all"])
+    p.add_argument("stage", choices=["train", "eval", "evidence", "refine", "report", "all"])
     p.add_argument("--base", type=Path, default=REPO / "configs/distill/toy_ablation.yaml")
     p.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--tau-every", type=int, default=250, help="val/tau curve every N steps")
+    p.add_argument("--steps", type=int, default=800)
+    p.add_argument("--tau-every", type=int, default=200, help="val/tau curve every N steps")
     p.add_argument("--fit-timeout", type=float, default=3600, help="seconds per training run")
     p.add_argument("--root", type=Path, default=REPO / "runs/ablation")
     p.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128, 256], help="math budgets")
@@ -606,7 +644,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--math-first", type=int, default=20, help="first math prompt (0-19 feed val/tau)")
     p.add_argument("--max-new-tokens", type=int, default=64, help="math")
     p.add_argument("--side-max-new-tokens", type=int, default=32, help="code and prose")
-    p.add_argument("--evidence-tokens", type=int, default=64)
+    p.add_argument("--evidence-tokens", type=int, default=48)
+    p.add_argument("--refine-budgets", type=int, nargs="+", default=[16, 64, 256], help="refine stage (math)")
+    p.add_argument("--refine-factor", type=int, default=2, help="refine stage: candidates per kept node")
     p.add_argument("--real-target", type=Path, default=REPO / "models/SmolLM2-135M-Instruct")
     p.add_argument("--bootstrap", type=int, default=2000)
     p.add_argument("--threads", type=int, default=1)
@@ -625,7 +665,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     results["base_config"] = str(args.base.relative_to(REPO) if args.base.is_absolute() else args.base)
     results["heads"] = {h: {"what": HEADS[h][0], "changes": HEADS[h][1]} for h in HEADS}
-    stages = ["train", "eval", "evidence", "report"] if args.stage == "all" else [args.stage]
+    stages = ["train", "eval", "evidence", "refine", "report"] if args.stage == "all" else [args.stage]
 
     if "train" in stages:
         results.setdefault("train", {})
@@ -633,7 +673,7 @@ def main(argv: list[str] | None = None) -> dict:
             cfg = run_config(base, h, args.root, args.steps, args.tau_every)
             info = train(h, cfg, args.root, args.fit_timeout)
             results["train"][h] = {"steps": args.steps, **info, "curves": training_curves(args.root / h)}
-            write_json(args.out, results)
+            write_json(args.out, results, indent=None)
 
     if "eval" in stages:
         from jetflow_pl.checkpoints import load_draft_head
@@ -680,15 +720,41 @@ def main(argv: list[str] | None = None) -> dict:
             backend = load_backend("torch", target=target, head=load_draft_head(head_dir))
             results["eval"][h] = decode_head(backend, prompts, plan, args.width, eos, ar_tokens)
             results.setdefault("eval_seconds", {})[h] = time.perf_counter() - t0
-            write_json(args.out, results)
+            write_json(args.out, results, indent=None)
+
+    if "refine" in stages:
+        # branch-conditioned refinement (docs/DESIGN.md section 4, step 3): the only place where a head sees
+        # its own drafted tokens, so the only place where causal in-block attention can condition a depth
+        # on the branch above it
+        from jetflow_pl.checkpoints import load_draft_head
+        from jetflow_pl.runtime.loader import load_backend
+
+        tokenizer, target = load_target(Path(args.target))
+        eos = tokenizer.eos_token_id
+        prompts = {"math": domain_prompts(tokenizer, "math", args.n_prompts, args.math_first)}
+        plan = {"math": {"budgets": args.refine_budgets, "max_new_tokens": args.max_new_tokens}}
+        ar_tokens = ar_reference(load_backend("torch", target=target), prompts, plan, eos)
+        results["refine_settings"] = {**plan, "refine_factor": args.refine_factor, "width": args.width}
+        results.setdefault("refine", {})
+        for h in args.heads:
+            if h in results["refine"]:
+                continue
+            print(f"{h}: refine x{args.refine_factor}", flush=True)
+            backend = load_backend(
+                "torch", target=target, head=load_draft_head(args.root / h / "head" / "last")
+            )
+            results["refine"][h] = decode_head(
+                backend, prompts, plan, args.width, eos, ar_tokens, refine_factor=args.refine_factor
+            )
+            write_json(args.out, results, indent=None)
 
     if "evidence" in stages and "evidence" not in results:
         results["evidence"] = evidence(args)
-        write_json(args.out, results)
+        write_json(args.out, results, indent=None)
 
     if "report" in stages and results.get("eval"):
         report(results, args.bootstrap)
-        write_json(args.out, results)
+        write_json(args.out, results, indent=None)
         if args.plots:
             print("wrote", *plots(results, args.plots))
         if args.tables:

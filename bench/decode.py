@@ -257,11 +257,12 @@ def main(argv: list[str] | None = None) -> dict:
     return results
 
 
-def write_json(path: Path, data: dict) -> None:
-    """Write `data` atomically (a crash mid-write never leaves a truncated results file)."""
+def write_json(path: Path, data: dict, indent: int | None = 2) -> None:
+    """Write `data` atomically (a crash mid-write never leaves a truncated results file); `indent=None`
+    writes it compactly (results that keep per-prompt records)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=2))
+    tmp.write_text(json.dumps(data, indent=indent))
     tmp.replace(path)
 
 
