@@ -45,3 +45,13 @@ def _ieee_subnormals():
     independent of test order."""
     yield
     torch.set_flush_denormal(False)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models on a shared 2-core machine: one intra-op thread is many times faster than two when
+    the other core is busy. Files opt in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

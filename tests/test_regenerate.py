@@ -32,20 +32,14 @@ from data_gen.regenerate.prompts import bucket_batches, chat_prompt_ids, collate
 from data_gen.regenerate.schema import COLUMNS, check_row
 from data_gen.regenerate.writer import list_shards, shard_ids
 
-pytestmark = pytest.mark.filterwarnings("ignore:Couldn.t infer the batch indices")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Couldn.t infer the batch indices"),
+    pytest.mark.usefixtures("one_thread"),
+]
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = REPO / "data_gen" / "toy" / "assets" / "small"
 MAX_NEW = 12
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread is ~20x faster than two."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _has_tokenizer(path: Path) -> bool:

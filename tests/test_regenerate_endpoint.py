@@ -40,7 +40,6 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 from regen_configs import ENDPOINT, predict_run_config
 
 from data_gen.regenerate import PromptDataModule, RegenerationModule
@@ -67,6 +66,7 @@ pytestmark = [
         not (SMALL_HEAD_DIR / "model.safetensors").is_file(), reason="shipped toy head missing"
     ),
     pytest.mark.filterwarnings("ignore:Couldn.t infer the batch indices"),
+    pytest.mark.usefixtures("one_thread"),
 ]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -76,15 +76,6 @@ MODEL = "small"  # jetflow-serve's default name: the target folder's
 EOS = 1
 #: seconds to wait for a server or a command to reach a state before failing (never a timing assertion)
 WAIT_S = 60.0
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The toy model on a shared 2-core machine: one intra-op thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def free_port() -> int:

@@ -29,6 +29,7 @@ from jetflow_pl.cli import main as cli_main
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Couldn.t infer the batch indices"),
     pytest.mark.filterwarnings("ignore:LightningCLI's args parameter"),
+    pytest.mark.usefixtures("one_thread"),
 ]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,14 +37,6 @@ SMALL = REPO / "data_gen" / "toy" / "assets" / "small"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 SOURCE = "toy:math:heldout:24"  # 24 samples -> 12 shards of 2
 MAX_NEW = 16
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _popen(config: Path, sub: str, cwd: Path, extra: list[str] = ()) -> subprocess.Popen:

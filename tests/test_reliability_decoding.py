@@ -22,14 +22,7 @@ from jetflow_pl.target import TargetModel
 MASK_ID = TINY_VOCAB - 1  # the mask token is the last id of the vocabulary
 PROMPT = [5, 17, 33, 8, 61, 12, 40]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread is much faster than two."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_head(target: TargetModel, seed: int = 0, mask_token_id: int = MASK_ID) -> DraftHead:
