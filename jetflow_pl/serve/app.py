@@ -11,8 +11,8 @@ with a 500 (`faults.FaultGuard`); mid-stream, where the status is already sent, 
 
 Extensions, as vLLM spells them: `top_k`, `ignore_eos`, `stop_token_ids` (more ids that end a request),
 `return_token_ids` (the generated ids on each choice/chunk: the lossless check through the server; a
-non-streamed completion also echoes the `prompt_token_ids` the engine ran on), and a `jetflow` object on non-streamed responses
-(tau, rounds, TTFT and latency of the request).
+non-streamed completion also echoes the `prompt_token_ids` the engine ran on), and a `jetflow` object on
+non-streamed responses (tau, rounds, TTFT and latency of the request).
 """
 
 from __future__ import annotations
