@@ -1,5 +1,5 @@
-"""The LightningCLI predict config the regeneration tests run (in process, through an endpoint, crashed
-and resumed): one builder, so every test drives the same trainer settings and folder layout."""
+"""The LightningCLI predict config and the predict Trainer the regeneration tests run (in process, through an
+endpoint, crashed and resumed): one builder each, so every test drives the same settings and layout."""
 
 from __future__ import annotations
 
@@ -46,3 +46,19 @@ def predict_run_config(
             "init_args": {"source": source, "batch_size": batch_size},
         },
     }
+
+
+def predict_trainer(tmp: Path, writer: Any):
+    """A quiet CPU predict trainer with `writer` as its only callback (no logger, checkpoints or bar)."""
+    import lightning as L
+
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+        default_root_dir=str(tmp / "logs"),
+        callbacks=[writer],
+    )

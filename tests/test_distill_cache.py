@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fake_rows import random_rows
 from lightning.pytorch import Callback, Trainer
 
 from jetflow_pl.errors import UserInputError
@@ -43,22 +44,7 @@ TAPS = [1, 0]  # both layers of the tiny target, in a non-sorted order: the cach
 
 
 def _docs(n: int, seed: int = 0, max_resp: int = 30) -> list[dict]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        p, r = rng.randint(3, 10), rng.randint(8, max_resp)
-        out.append(
-            {
-                "id": f"{i:05d}",
-                "domain": "math" if i % 2 else "code",
-                "input_ids": [rng.randint(3, VOCAB - 1) for _ in range(p + r)],
-                "loss_mask": [0] * p + [1] * r,
-                "prompt_len": p,
-                "response": "",
-                "finish_reason": "eos",
-            }
-        )
-    return out
+    return random_rows(n, VOCAB, seed, response_len=(8, max_resp))
 
 
 def _save(docs: list[dict], root: Path) -> Path:

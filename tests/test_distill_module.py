@@ -3,11 +3,11 @@ clear errors before training, and the packing data module."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 import torch
+from fake_rows import random_rows
 from lightning.pytorch import Callback, Trainer
 
 from jetflow_pl.head import DraftHead, DraftHeadConfig
@@ -20,23 +20,7 @@ MASK_ID = 2  # toy convention: 0 pad, 1 eos, 2 mask
 
 
 def _random_docs(n: int, seed: int = 0) -> list[dict]:
-    rng = random.Random(seed)
-    docs = []
-    for i in range(n):
-        p, r = rng.randint(3, 10), rng.randint(8, 30)
-        ids = [rng.randint(3, VOCAB - 1) for _ in range(p + r)]
-        docs.append(
-            {
-                "id": f"{i:05d}",
-                "domain": "math" if i % 2 else "code",
-                "input_ids": ids,
-                "loss_mask": [0] * p + [1] * r,
-                "prompt_len": p,
-                "response": "",
-                "finish_reason": "eos",
-            }
-        )
-    return docs
+    return random_rows(n, VOCAB, seed)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from regen_configs import predict_run_config
+from regen_configs import predict_run_config, predict_trainer
 
 from data_gen.regenerate import (
     OutputFolderError,
@@ -82,24 +82,9 @@ def module(rg_target_dir: Path, rg_tokenizer_dir: Path) -> RegenerationModule:
     )
 
 
-def _trainer(tmp: Path, writer: RegenerationWriter):
-    import lightning as L
-
-    return L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=False,
-        default_root_dir=str(tmp / "logs"),
-        callbacks=[writer],
-    )
-
-
 def _run(tmp: Path, module, dm, out: Path, shard_size: int = 3) -> RegenerationWriter:
     writer = RegenerationWriter(str(out), shard_size=shard_size)
-    _trainer(tmp, writer).predict(module, datamodule=dm, return_predictions=False)
+    predict_trainer(tmp, writer).predict(module, datamodule=dm, return_predictions=False)
     return writer
 
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import httpx
 import pytest
-from regen_configs import ENDPOINT, predict_run_config
+from regen_configs import ENDPOINT, predict_run_config, predict_trainer
 
 from data_gen.regenerate import PromptDataModule, RegenerationModule
 from data_gen.regenerate.endpoint import (
@@ -135,21 +135,6 @@ def server() -> Iterator[ServeProcess]:
     srv.stop()
 
 
-def _trainer(tmp: Path, writer):
-    import lightning as L
-
-    return L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=False,
-        default_root_dir=str(tmp / "logs"),
-        callbacks=[writer],
-    )
-
-
 def _rows(out: Path) -> dict[str, dict]:
     import datasets
 
@@ -165,7 +150,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("reference")
     module = RegenerationModule(str(SMALL_TARGET_DIR), max_new_tokens=MAX_NEW)
     writer = RegenerationWriter(str(tmp / "out"), shard_size=4)
-    _trainer(tmp, writer).predict(module, datamodule=PromptDataModule(SOURCE, batch_size=6))
+    predict_trainer(tmp, writer).predict(module, datamodule=PromptDataModule(SOURCE, batch_size=6))
     rows = _rows(tmp / "out")
     # both endings occur, so the finish-reason mapping and the stop-token rule are really compared
     assert {r["finish_reason"] for r in rows.values()} == {"eos", "length"}
@@ -188,7 +173,7 @@ def test_greedy_rows_through_the_endpoint_equal_in_process(tmp_path, server, ref
     assert module.context_length == 1024  # the server's max_model_len
     out = tmp_path / "out"
     writer = EndpointRegenerationWriter(str(out), shard_size=4)
-    _trainer(tmp_path, writer).predict(module, datamodule=PromptDataModule(SOURCE, batch_size=6))
+    predict_trainer(tmp_path, writer).predict(module, datamodule=PromptDataModule(SOURCE, batch_size=6))
     rows = _rows(out)
     assert rows.keys() == reference.keys()
     for sid, ref in reference.items():
@@ -205,7 +190,7 @@ def test_greedy_rows_through_the_endpoint_equal_in_process(tmp_path, server, ref
     )
     assert other.fingerprint() == module.fingerprint()
     again = EndpointRegenerationWriter(str(out), shard_size=4)
-    _trainer(tmp_path, again).predict(other, datamodule=PromptDataModule(SOURCE, batch_size=6))
+    predict_trainer(tmp_path, again).predict(other, datamodule=PromptDataModule(SOURCE, batch_size=6))
     assert again.summary["skipped_already_done"] == len(reference) and again.summary["written"] == 0
     assert _rows(out) == rows
 

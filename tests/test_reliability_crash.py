@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fake_rows import random_rows
 from regen_configs import predict_run_config
 
 from data_gen.regenerate import writer as writer_mod
@@ -199,21 +200,7 @@ def distill_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Random token documents in the regeneration schema (ids 3..95 of the tiny target's vocab of 96)."""
     from datasets import Dataset
 
-    rng = random.Random(0)
-    docs = []
-    for i in range(60):
-        p, r = rng.randint(3, 10), rng.randint(8, 30)
-        docs.append(
-            {
-                "id": f"{i:05d}",
-                "domain": "math",
-                "input_ids": [rng.randint(3, 95) for _ in range(p + r)],
-                "loss_mask": [0] * p + [1] * r,
-                "prompt_len": p,
-                "response": "",
-                "finish_reason": "eos",
-            }
-        )
+    docs = random_rows(60, 96, domains=("math",))
     root = tmp_path_factory.mktemp("distill_data")
     Dataset.from_list(docs).save_to_disk(str(root / "dataset"))
     return root

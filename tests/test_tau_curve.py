@@ -7,11 +7,11 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import random
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from fake_rows import random_rows
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger
 
@@ -118,21 +118,7 @@ def test_each_curve_point_is_a_real_decode_at_that_budget() -> None:
 def _random_dataset(root: Path) -> Path:
     from datasets import Dataset
 
-    rng = random.Random(0)
-    docs = []
-    for i in range(40):
-        p, r = rng.randint(3, 8), rng.randint(8, 20)
-        docs.append(
-            {
-                "id": f"{i:05d}",
-                "domain": "math",
-                "input_ids": [rng.randint(3, VOCAB - 1) for _ in range(p + r)],
-                "loss_mask": [0] * p + [1] * r,
-                "prompt_len": p,
-                "response": "",
-                "finish_reason": "eos",
-            }
-        )
+    docs = random_rows(40, VOCAB, prompt_len=(3, 8), response_len=(8, 20), domains=("math",))
     Dataset.from_list(docs).save_to_disk(str(root / "dataset"))
     return root
 
