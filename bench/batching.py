@@ -49,8 +49,8 @@ from budget_auto import read_prompts  # noqa: E402  (bench/budget_auto.py: the s
 from load_plot import budget_label, plot_load  # noqa: E402  (bench/load_plot.py)
 
 from jetflow_pl.decoding import SpeculativeGenerator  # noqa: E402
-from jetflow_pl.decoding.budget import ACCEPTANCE_PROFILE_FILE, AcceptanceProfile, AutoBudget  # noqa: E402
-from jetflow_pl.generate_cli import _load_tokenizer  # noqa: E402
+from jetflow_pl.decoding.budget import ACCEPTANCE_PROFILE_FILE, AutoBudget  # noqa: E402
+from jetflow_pl.generate_cli import _acceptance_prior, _load_tokenizer  # noqa: E402
 from jetflow_pl.head import DraftHead  # noqa: E402
 from jetflow_pl.runtime.ort_backend import OnnxRuntimeBackend  # noqa: E402
 from jetflow_pl.runtime.torch_backend import TorchBackend  # noqa: E402
@@ -137,10 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    prior_path = args.acceptance_profile
-    if prior_path is None and (args.head / ACCEPTANCE_PROFILE_FILE).is_file():
-        prior_path = args.head / ACCEPTANCE_PROFILE_FILE
-    prior = AcceptanceProfile.load(prior_path) if prior_path is not None else None
+    prior = _acceptance_prior(args)  # as jetflow-generate resolves it (explicit, else beside the head)
     if args.backend == "torch":
         head = DraftHead.from_pretrained(str(args.head)).eval()
         target = TargetModel.from_pretrained(args.target, head.config.target_layer_ids)
@@ -214,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "settings": {
             k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("out",)
         },
-        "acceptance_prior": None if prior_path is None else str(prior_path),
+        "acceptance_prior": None if prior is None else prior.source,
         "results": table,
         "auto_cost_view": {str(B): v for B, v in views.items()},
     }
