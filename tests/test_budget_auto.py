@@ -345,7 +345,10 @@ def tiny(tiny_target_dir):
 )
 def test_auto_greedy_output_is_identical_to_ar(tiny, tau):
     target, ps, refs = tiny
-    pol = AutoBudget(linear_cost(0.01, 0.1), prior_of(tau, rounds=4), explore_every=1, explore_margin=0.9)
+    # check_costs off: the synthetic profile (not this CPU's clock) is what makes it draft and explore
+    pol = AutoBudget(
+        linear_cost(0.01, 0.1), prior_of(tau, rounds=4), explore_every=1, explore_margin=0.9, check_costs=False
+    )
     gen = SpeculativeGenerator(TorchBackend(target, make_head(target)), pol, width=3, eos_token_id=EOS)
     played = set()
     for p, ref in zip(ps, refs, strict=True):
@@ -370,7 +373,7 @@ def test_auto_sampling_matches_the_ar_distribution(tiny):
     target, ps, _ = tiny
     prompt = ps[2]
     prior = prior_of({1: 1.6, 2: 2.0, 4: 2.4, 8: 2.6}, rounds=2)
-    pol = AutoBudget(linear_cost(0.01, 0.1), prior, explore_every=1, explore_margin=0.9)
+    pol = AutoBudget(linear_cost(0.01, 0.1), prior, explore_every=1, explore_margin=0.9, check_costs=False)
     spec = SpeculativeGenerator(TorchBackend(target, make_head(target)), pol, width=3)
     ar = ARGenerator(TorchBackend(target))
     n, played = 600, set()

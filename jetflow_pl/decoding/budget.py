@@ -43,6 +43,21 @@ the one session estimate whatever B was. The probe budget, exploration and probi
 batch-1 ones with costs at B (a probe at B plays the largest budget costing at most `probe_cost`
 batched AR steps). On a CPU verify cost grows quickly with B x N, so `auto` shrinks the tree as the
 batch grows and plays AR where speculation cannot pay; a batch of one is exactly the batch-1 policy.
+
+**Checking the cost profile against the clock** (`check_costs`, default on). A profile is measured once,
+under whatever load the machine had then; decoding later, on a busier or a quieter machine, the ratios can
+be off by 2x (measured: a batch-16 round on ONNX Runtime that the profile put at 1.4 AR steps took 2.9).
+So the decode loop reports each round's wall time (`observe_time`: budget, batch size, seconds; draft,
+build, verify, acceptance and commit, what the profile's cost covers), and the policy keeps the last
+`timing_window` times per (batch size, budget). Once it has timed `timing_samples` AR rounds and rounds at
+a budget at one batch size, that budget's cost is the observed ratio (lower medians: robust to the slow
+first call of a new shape); a budget timed fewer times there takes the profile's cost times the profile's
+median error over all tree rounds timed at that batch size. AR times come from AR check rounds: while speculating at a batch size
+whose AR time is unknown or stale, one round in `check_every` (doubling while the checks change nothing,
+up to `max_check_every`) is played as AR. A wrong profile then costs a few rounds, not a session: the
+choice moves to a smaller budget or to AR as soon as the clock disagrees with it. Times expire after
+`max_check_every` session rounds without a new one, so a session that went to AR under a burst of load
+falls back to the profile and tries speculating again (a few rounds per expiry).
 """
 
 from __future__ import annotations
@@ -51,6 +66,7 @@ import json
 import math
 import os
 from bisect import bisect_right
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from itertools import pairwise
@@ -266,6 +282,8 @@ class AutoBudget:
             acceptance is shrunk toward (module doc).
         max_batch: the most requests per round the cost profile must cover (`plan_batch`, which the
             engine calls with its own `max_batch`; None: `cost_profile.DEFAULT_MEASURED_BATCH`).
+        check_costs, timing_samples, timing_window, check_every, max_check_every: correcting the cost
+            profile with the measured wall time of the rounds played (module doc); off: the profile alone.
 
     `max_budget` (the `BudgetPolicy` attribute) is None: the candidates are capped by the backend in
     `start`, so no budget this policy picks can exceed the backend's limit.
@@ -294,7 +312,27 @@ class AutoBudget:
         memory: int = 64,
         request_weight: float = 4.0,
         max_batch: int | None = None,
+        check_costs: bool = True,
+        timing_samples: int = 2,
+        timing_window: int = 5,
+        check_every: int = 16,
+        max_check_every: int = 512,
     ) -> None:
+        if timing_samples < 1 or timing_window < timing_samples or check_every < 1:
+            raise ValueError("timing_samples >= 1, timing_window >= timing_samples, check_every >= 1")
+        self.check_costs = bool(check_costs)
+        self.timing_samples = int(timing_samples)
+        self.timing_window = int(timing_window)
+        self.check_every = int(check_every)
+        self.max_check_every = max(int(max_check_every), self.check_every)
+        # (batch size, budget) -> the last `timing_window` round times in seconds, and the session round
+        # of the last one (times older than `max_check_every` rounds expire: the load they saw has moved on)
+        self._times: dict[tuple[int, int], deque[float]] = {}
+        self._timed_at: dict[tuple[int, int], int] = {}
+        # per batch size: the session round from which the next AR check round is due, and the interval
+        self._next_check: dict[int, int] = {}
+        self._check_interval: dict[int, int] = {}
+        self._checking: int | None = None  # the budget an AR check round stands in for
         if request_weight < 0:
             raise ValueError("request_weight must be >= 0")
         self.request_weight = float(request_weight)
@@ -399,7 +437,88 @@ class AutoBudget:
     def speeds(self) -> dict[int, float]:
         """Expected speed of every candidate in AR tokens per AR step (AR itself: 1)."""
         assert self.cost is not None, "call start(backend) first"
-        return {k: tau / self.cost.cost(k) for k, tau in self.estimates().items()}
+        return {k: tau / self.round_cost(k) for k, tau in self.estimates().items()}
+
+    # ---- costs: the profile, checked against the clock --------------------------------------------
+    def round_cost(self, budget: int, batch: int = 1) -> float:
+        """Cost of a round at `budget` for `batch` requests in (batched) AR steps: the profile's, or the
+        observed ratio of round times once both this budget and AR were timed at this batch size (module
+        doc); a budget not timed there gets the profile's cost times the profile's median error there."""
+        assert self.cost is not None, "call start(backend) first"
+        profiled = self.cost.cost(budget, batch)
+        if budget == 0 or not self.check_costs:
+            return profiled
+        b = max(1, int(batch))
+        ar = self._timed(b, 0)
+        if ar is None:
+            return profiled
+        own = self._timed(b, budget)
+        if own is not None:
+            return own / ar
+        error = self._profile_error(b, ar)
+        return profiled if error is None else profiled * error
+
+    def _fresh_times(self, batch: int) -> dict[int, deque[float]]:
+        """The unexpired round times of every budget > 0 timed at `batch`."""
+        return {
+            k: t
+            for (bb, k), t in self._times.items()
+            if bb == batch and k and self._session_round - self._timed_at[(bb, k)] <= self.max_check_every
+        }
+
+    def _profile_error(self, batch: int, ar: float) -> float | None:
+        """Observed over profiled cost at `batch`, the lower median over every timed tree round there
+        (pooled over budgets: exploration may time each budget only once); None below `timing_samples`."""
+        assert self.cost is not None
+        errors = sorted(
+            s / ar / self.cost.cost(k, batch) for k, t in self._fresh_times(batch).items() for s in t
+        )
+        return errors[(len(errors) - 1) // 2] if len(errors) >= self.timing_samples else None
+
+    def _timed(self, batch: int, budget: int) -> float | None:
+        """Lower median of the recent round times at (batch, budget); None below `timing_samples`."""
+        times = self._times.get((batch, budget))
+        if times is None or len(times) < self.timing_samples:
+            return None
+        if self._session_round - self._timed_at[(batch, budget)] > self.max_check_every:
+            return None
+        return sorted(times)[(len(times) - 1) // 2]
+
+    def observe_time(self, budget: int, batch: int, seconds: float) -> None:
+        """Wall time of one round played at `budget` (every tree of that size) for `batch` requests.
+
+        Called by the decode loop before `observe`/`observe_batch` of the same round. Ends an AR check
+        round: the next check waits an interval that doubles while checks do not change the choice.
+        """
+        if not self.check_costs or self.cost is None or not (seconds > 0 and math.isfinite(seconds)):
+            return
+        b = max(1, int(batch))
+        if budget != 0 and budget not in self.candidates_at(b):
+            return
+        key = (b, int(budget))
+        if key in self._times and self._session_round - self._timed_at[key] > self.max_check_every:
+            self._times[key].clear()  # expired: start over rather than mix in the old load's times
+        self._times.setdefault(key, deque(maxlen=self.timing_window)).append(float(seconds))
+        self._timed_at[key] = self._session_round
+        if budget == 0 and self._checking is not None:
+            stood_in_for, self._checking = self._checking, None
+            if self._timed(b, 0) is None:
+                return  # not enough AR times yet: the next round checks again
+            batch_stats = self._batch if self._batch is not None and len(self._batch) == b else None
+            now = self._best_of(self.speeds() if batch_stats is None else self.batch_speeds(batch_stats))
+            interval = self._check_interval.get(b, self.check_every)
+            interval = self.check_every if now != stood_in_for else min(2 * interval, self.max_check_every)
+            self._check_interval[b] = interval
+            self._next_check[b] = self._session_round + interval
+
+    def _ar_check_due(self, batch: int) -> bool:
+        """Whether the next round at `batch` should be an AR check round (speculating there, with rounds
+        timed but AR's time there unknown, or its last check an interval ago)."""
+        if not self.check_costs:
+            return False
+        if self._timed(batch, 0) is None:
+            return sum(len(t) for t in self._fresh_times(batch).values()) >= self.timing_samples
+        return self._session_round >= self._next_check.get(batch, 0)
 
     def best(self) -> int:
         """The candidate with the highest expected speed (ties: the smaller budget); 0 unless some budget
@@ -417,7 +536,7 @@ class AutoBudget:
         """The largest candidate whose round (of `batch` requests) costs at most `probe_cost` AR steps
         (batched; 0 if none)."""
         assert self.cost is not None
-        ok = [k for k in self.candidates_at(batch) if k and self.cost.cost(k, batch) <= self.probe_cost]
+        ok = [k for k in self.candidates_at(batch) if k and self.round_cost(k, batch) <= self.probe_cost]
         return max(ok) if ok else 0
 
     # ---- a batch of requests ----------------------------------------------------------------------
@@ -463,7 +582,7 @@ class AutoBudget:
             return self.speeds()
         session = self.estimates()
         per = [self.request_estimates(st, session) for st in requests]
-        return {k: sum(t[k] for t in per) / (b * self.cost.cost(k, b)) for k in self.candidates_at(b)}
+        return {k: sum(t[k] for t in per) / (b * self.round_cost(k, b)) for k in self.candidates_at(b)}
 
     def best_batch(self, requests: Sequence[AcceptanceStats]) -> int:
         """The shared budget with the highest expected speed for these requests; 0 unless some budget
@@ -476,6 +595,7 @@ class AutoBudget:
             raise RuntimeError("AutoBudget.choose_batch() before start(backend)")
         self._explored_from = None
         self._probing = False
+        self._checking = None
         self._batch = list(requests)
         self._last_choice = self._pick(self._batch)
         return self._last_choice
@@ -492,6 +612,8 @@ class AutoBudget:
             raise RuntimeError("AutoBudget.choose() before start(backend)")
         self._explored_from = None
         self._probing = False
+        self._checking = None
+        self._batch = None
         self._last_choice = self._pick()
         return self._last_choice
 
@@ -503,6 +625,9 @@ class AutoBudget:
             return self.probe_budget(b)
         speeds = self.speeds() if batch is None else self.batch_speeds(batch)
         best = self._best_of(speeds)
+        if best and self._ar_check_due(b):
+            self._checking = best
+            return 0
         probe = self.probe_budget(b)
         if self._session_round >= self._next_probe_at and probe > best:
             self._explored_from, self._probing = best, True
@@ -577,7 +702,7 @@ class AutoBudget:
         covered = min(t.budget for t in trees)
         return max(
             (
-                sum(accept_length_at(acc, k) for acc in accepted) / (batch * self.cost.cost(k, batch))
+                sum(accept_length_at(acc, k) for acc in accepted) / (batch * self.round_cost(k, batch))
                 for k in self.candidates_at(batch)
                 if 0 < k <= covered
             ),
@@ -595,9 +720,15 @@ class AutoBudget:
     def describe(self) -> str:
         """One line: the expected speed of each candidate (AR = 1) and the current choice."""
         sp = self.speeds()
-        return (
+        line = (
             "expected speed vs AR: " + " ".join(f"{k}:{v:.2f}" for k, v in sp.items()) + f" -> {self.best()}"
         )
+        ar = self._timed(1, 0) if self.check_costs else None
+        error = None if ar is None else self._profile_error(1, ar)
+        if error is not None:
+            rounds = sum(len(t) for t in self._fresh_times(1).values())
+            line += f"; tree rounds took {error:.2f}x the profile's cost (clock, {rounds} rounds)"
+        return line
 
 
 def start_policy(policy: BudgetPolicy, backend: DecodeBackend, max_batch: int = 1) -> None:
@@ -620,10 +751,19 @@ def choose_round_budget(policy: BudgetPolicy, requests: Sequence[AcceptanceStats
 
 
 def observe_round(
-    policy: BudgetPolicy, trees: Sequence[DraftTree], accepted: Sequence[Sequence[int]]
+    policy: BudgetPolicy,
+    trees: Sequence[DraftTree],
+    accepted: Sequence[Sequence[int]],
+    seconds: float | None = None,
 ) -> None:
     """Report one round (every request's tree and accepted node ids) to `policy`: `observe_batch` for a
-    batch-aware policy (its schedule counts rounds, not requests), else `observe` per request."""
+    batch-aware policy (its schedule counts rounds, not requests), else `observe` per request. `seconds`,
+    the round's wall time, goes first to a policy that checks its costs (`observe_time`) when every tree
+    of the round had the same budget (a round of mixed sizes is not a sample of any one cost)."""
+    observe_time = getattr(policy, "observe_time", None)
+    sizes = {t.budget for t in trees}
+    if seconds is not None and observe_time is not None and len(sizes) == 1:
+        observe_time(sizes.pop(), len(trees), seconds)
     observe_batch = getattr(policy, "observe_batch", None)
     if len(trees) > 1 and observe_batch is not None:
         observe_batch(trees, accepted)

@@ -15,6 +15,7 @@ output is the same in every mode (lossless).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -191,6 +192,7 @@ class SpeculativeGenerator:
         slots = [r.slot for r in requests]
         shared = choose_round_budget(self.budget_policy, [r.stats for r in requests])
         budgets = [shared if r.budget is None else r.budget for r in requests]
+        started = time.perf_counter()
         # the anchor sits at `past_len`; a depth-d node at `past_len + d` must stay inside the context
         past = [batch.past_length(s) for s in slots]
         depth = [batch.max_positions - 1 - p for p in past]
@@ -214,7 +216,7 @@ class SpeculativeGenerator:
             accepted_all.append(accepted)
             nexts.append(token)
         batch.commit_batch(slots, accepted_all)
-        observe_round(self.budget_policy, trees, accepted_all)
+        observe_round(self.budget_policy, trees, accepted_all, time.perf_counter() - started)
         for r, tree, accepted, token, budget in zip(
             requests, trees, accepted_all, nexts, budgets, strict=True
         ):

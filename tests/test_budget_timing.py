@@ -1,0 +1,212 @@
+"""`auto` checks its cost profile against the clock (`AutoBudget(check_costs=True)`, the default).
+
+A profile measured under one load and used under another can be wrong by 2x. These tests drive the policy
+with round times from a known "true" cost (no real timing: the clock is the test's), so what they assert
+is the correction rule: observed ratios replace profiled ones, AR check rounds are sparse when the profile
+is right, a profile that is too cheap sends the policy to AR within a few rounds, times expire. The last
+test runs the real decode loop on a backend whose tree verify really is slow.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from conftest import TINY_VOCAB
+
+from jetflow_pl.decoding import ARGenerator, SpeculativeGenerator
+from jetflow_pl.decoding.budget import LADDER_BUDGETS, AcceptanceProfile, AcceptanceStats, AutoBudget
+from jetflow_pl.decoding.cost_profile import LADDER_NODES, CostProfile
+from jetflow_pl.head import DraftHead, DraftHeadConfig
+from jetflow_pl.runtime.torch_backend import TorchBackend
+from jetflow_pl.target import TargetModel
+from jetflow_pl.tree import DraftTree
+
+MASK_ID = TINY_VOCAB - 1
+EOS = 1
+AR_SECONDS = 0.01
+#: the head's acceptance: every simulated round accepts the first two drafts of a chain (when the tree
+#: has them), so tau(1) = 2 and tau(k) = 3 from budget 2 on, consistent with the prefix property
+TAU = {k: 2.0 if k < 2 else 3.0 for k in LADDER_BUDGETS if k}
+
+
+def profile(slope: float, draft: float, batch: dict[int, float] | None = None) -> CostProfile:
+    """t(1) = 1 s, t(N)/t(1) = 1 + slope (N - 1), the draft `draft` s; per B in `batch`: t(B, 1) = 0.5 B s,
+    t(B, N)/t(B, 1) = 1 + batch[B] (N - 1), the batched draft `draft` t(B, 1)."""
+    sizes = sorted(batch or {})
+    return CostProfile(
+        fingerprint={"machine": "synthetic"},
+        nodes=list(LADDER_NODES),
+        verify_s=[1.0 + slope * (n - 1) for n in LADDER_NODES],
+        build_s=[0.0] * len(LADDER_NODES),
+        draft_s=draft,
+        kv_len=256,
+        repeats=1,
+        batch_sizes=sizes,
+        batch_nodes=[list(LADDER_NODES) for _ in sizes],
+        batch_verify_s=[[0.5 * b * (1.0 + batch[b] * (n - 1)) for n in LADDER_NODES] for b in sizes],
+        batch_build_s=[[0.0] * len(LADDER_NODES) for _ in sizes],
+        batch_draft_s=[0.5 * b * draft for b in sizes],
+    )
+
+
+def prior(rounds: int = 100) -> AcceptanceProfile:
+    ks = sorted(TAU)
+    return AcceptanceProfile(budgets=ks, tau=[TAU[k] for k in ks], rounds=[rounds] * len(ks), width=4)
+
+
+class FakeBackend:
+    """Just what `AutoBudget.start` reads."""
+
+    block_size = 16
+    max_positions = 4096
+
+
+def run_rounds(pol: AutoBudget, true_cost, rounds: int, batch: int = 1) -> list[int]:
+    """Play `rounds` rounds: the policy chooses, the round takes `true_cost(k) * AR_SECONDS` seconds on the
+    test's clock and accepts what the head's TAU says (a chain tree accepting its first two drafts)."""
+    played = []
+    for _ in range(rounds):
+        stats = [AcceptanceStats(LADDER_BUDGETS) for _ in range(batch)]
+        k = pol.choose() if batch == 1 else pol.choose_batch(stats)
+        played.append(k)
+        trees = [DraftTree.chain(list(range(k + 1))) for _ in range(batch)]
+        accepted = [list(range(min(3, k + 1)))] * batch
+        pol.observe_time(k, batch, true_cost(k) * AR_SECONDS)
+        if batch == 1:
+            pol.observe(trees[0], accepted[0])
+        else:
+            pol.observe_batch(trees, accepted)
+    return played
+
+
+def started(pol: AutoBudget) -> AutoBudget:
+    pol.start(FakeBackend())
+    return pol
+
+
+# ------------------------------------------------------------------------------------------ the rule
+def test_observed_ratios_replace_the_profile_and_untimed_budgets_carry_its_error():
+    cheap = profile(slope=0.01, draft=0.1)
+    pol = started(AutoBudget(cheap, prior(), timing_samples=2))
+    assert pol.round_cost(4) == pytest.approx(cheap.cost(4))  # nothing timed: the profile
+    for _ in range(2):
+        pol.observe_time(4, 1, 3.0 * AR_SECONDS)
+    assert pol.round_cost(4) == pytest.approx(cheap.cost(4))  # no AR time yet: no ratio to take
+    for seconds in (AR_SECONDS, 50 * AR_SECONDS):  # one slow outlier (a first call): the lower median
+        pol.observe_time(0, 1, seconds)
+    assert pol.round_cost(4) == pytest.approx(3.0)
+    # a budget not timed carries the profile's error where it was timed (3.0 / cost(4) here)
+    assert pol.round_cost(16) == pytest.approx(cheap.cost(16) * 3.0 / cheap.cost(4))
+    assert pol.round_cost(0) == 1.0
+    # other batch sizes keep their own (here: none) timing
+    assert pol.round_cost(4, batch=2) == pytest.approx(cheap.cost(4, 2))
+    off = started(AutoBudget(cheap, prior(), check_costs=False))
+    for k, s in ((4, 3.0), (4, 3.0), (0, 1.0), (0, 1.0)):
+        off.observe_time(k, 1, s * AR_SECONDS)
+    assert off.round_cost(4) == pytest.approx(cheap.cost(4))
+
+
+@pytest.mark.parametrize("probe_every", [10**6, 16], ids=["no-probes", "default-probes"])
+def test_a_profile_too_cheap_sends_it_to_ar_within_a_few_rounds(probe_every):
+    """The profile says a tree round costs ~1.1 AR steps (speculation pays 2.7x); it really costs 4 (tau
+    3 / 4 < 1: AR is right). After two timed tree rounds and two AR checks it plays AR; what drafts after
+    that are the session probes' (doubling intervals: at most log2(rounds / probe_every) + 1 of them)."""
+    cheap = profile(slope=0.01, draft=0.1)
+    pol = started(AutoBudget(cheap, prior(), probe_every=probe_every))
+    played = run_rounds(pol, lambda k: 1.0 if k == 0 else 4.0, 400)
+    assert played[:4] == [2, 2, 0, 0], played[:8]  # the profile's choice, timed twice; AR timed twice
+    later = sum(1 for k in played[4:] if k)
+    assert later <= (0 if probe_every > 400 else 1 + (400 // probe_every).bit_length()), played
+    assert pol.round_cost(2) == pytest.approx(4.0)
+    assert pol.best() == 0
+
+
+def test_a_correct_profile_costs_only_sparse_ar_checks():
+    """True costs equal the profile's: the choice never moves, and the AR check rounds back off (doubling
+    from check_every), so they are O(log rounds)."""
+    prof = profile(slope=0.05, draft=0.3)
+    pol = started(AutoBudget(prof, prior(), explore_every=10**6, probe_every=10**6))
+    best = pol.best()
+    assert best > 0
+    played = run_rounds(pol, lambda k: prof.cost(k), 600)
+    ar = [i for i, k in enumerate(played) if k == 0]
+    # 2 to learn AR's time, then checks at 16, 32, 64, ... rounds apart: 2 + log2(600 / 16) + 1 at most
+    assert 2 <= len(ar) <= 8, ar
+    assert {k for k in played if k} == {best}
+    assert pol.round_cost(best) == pytest.approx(prof.cost(best))
+
+
+def test_ar_checks_follow_load_that_changes_mid_session():
+    """The profile is right at first; then a tree round gets 4x dearer (load on the cores speculation
+    uses): the next check finds it and the policy moves to AR; when the load goes the times expire and
+    it speculates again."""
+    prof = profile(slope=0.05, draft=0.3)
+    pol = started(
+        AutoBudget(prof, prior(), explore_every=10**6, probe_every=10**6, check_every=8, max_check_every=64)
+    )
+    best = pol.best()
+    run_rounds(pol, lambda k: prof.cost(k), 100)
+    loaded = run_rounds(pol, lambda k: 1.0 if k == 0 else 4.0 * prof.cost(k), 200)
+    assert loaded[-100:].count(0) >= 95, loaded
+    quiet = run_rounds(pol, lambda k: prof.cost(k), 300)
+    assert quiet[-100:].count(best) >= 90, quiet
+
+
+def test_each_batch_size_is_checked_on_its_own():
+    """Batch 4 is really dear (the profile put it at GPU-like costs), batch 1 is as profiled: auto goes to
+    AR at 4 and keeps speculating alone."""
+    prof = profile(slope=0.05, draft=0.3, batch={2: 0.005, 4: 0.005})
+    pol = started(AutoBudget(prof, prior(), explore_every=10**6, probe_every=10**6))
+    alone = pol.best()
+    assert alone > 0 and pol.best_batch([AcceptanceStats(LADDER_BUDGETS) for _ in range(4)]) > 0
+    at4 = run_rounds(pol, lambda k: 1.0 if k == 0 else 5.0, 60, batch=4)
+    assert at4[-40:] == [0] * 40, at4
+    at1 = run_rounds(pol, lambda k: prof.cost(k), 60)
+    assert at1[-40:].count(alone) >= 38, at1
+
+
+def test_bad_round_times_are_ignored():
+    prof = profile(slope=0.05, draft=0.3)
+    pol = started(AutoBudget(prof, prior()))
+    for s in (float("nan"), float("inf"), 0.0, -1.0):
+        pol.observe_time(4, 1, s)
+        pol.observe_time(0, 1, s)
+    assert pol._times == {}
+    with pytest.raises(ValueError, match="timing_samples"):
+        AutoBudget(prof, prior(), timing_samples=3, timing_window=2)
+
+
+# ------------------------------------------------------------------------------------------ the decode loop
+class SlowTreeBackend(TorchBackend):
+    """A target whose verify of a tree (more than one node) takes 40 ms longer: a machine where the
+    profile's cheap trees are not cheap. AR steps run at the real speed."""
+
+    def verify_batch(self, slots, trees):
+        if any(t.num_nodes > 1 for t in trees):
+            time.sleep(0.04)
+        return super().verify_batch(slots, trees)
+
+
+def test_the_decode_loop_times_rounds_and_auto_goes_to_ar(tiny_target_dir):
+    target = TargetModel.from_pretrained(tiny_target_dir)
+    torch.manual_seed(0)
+    cfg = DraftHeadConfig.for_target(target.config, num_hidden_layers=1, block_size=8, mask_token_id=MASK_ID)
+    head = DraftHead(cfg).eval()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, MASK_ID, (6,), generator=g).tolist() for _ in range(4)]
+    ar = ARGenerator(TorchBackend(target), eos_token_id=EOS)
+    refs = [ar.generate(p, 24).tokens for p in prompts]
+    # the profile says trees are nearly free and the prior that the head is good: speculation would pay
+    pol = AutoBudget(profile(slope=0.01, draft=0.05), prior(), probe_every=10**6)
+    gen = SpeculativeGenerator(SlowTreeBackend(target, head), pol, width=3, eos_token_id=EOS)
+    drafted = []
+    for p, ref in zip(prompts, refs, strict=True):
+        res = gen.generate(p, 24)
+        assert res.tokens == ref  # lossless whatever the budget did
+        drafted += [k for k in res.budgets if k]
+    # 2 timed tree rounds, 2 AR checks, then AR: a 40 ms tree round is many AR steps of the tiny target
+    assert 2 <= len(drafted) <= 3, drafted
+    assert pol.round_cost(drafted[0]) > 5.0
+    assert "the profile's cost (clock" in pol.describe()
