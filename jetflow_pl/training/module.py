@@ -126,6 +126,10 @@ class DistillationModule(LightningModule):
             `lr * min_lr_ratio` over `trainer.estimated_stepping_batches` (or `max_minutes` of wall-clock,
             whichever is further along).
         max_minutes: optional wall-clock horizon of the cosine schedule (for time-bounded runs).
+        path_fraction: share of training blocks conditioned on the true path tokens under the tree-causal
+            mask (`step.py`), so the head also learns the rows `refine_factor` decoding runs; 0 = MASK-only
+            blocks. With it, validation also reports `val/path_agree_d*` and `val/path_sim_tau` (every
+            block path-conditioned) next to the usual MASK-only `val/agree_d*` and `val/sim_tau`.
         seed: seeds the head init and anchor sampling.
         target_dtype: `float32` | `bfloat16` | `float16` for the frozen target.
         head_overrides: extra `DraftHeadConfig` fields (e.g. `intermediate_size`).
@@ -165,6 +169,7 @@ class DistillationModule(LightningModule):
         warmup_steps: int = 50,
         min_lr_ratio: float = 0.1,
         max_minutes: float | None = None,
+        path_fraction: float = 0.0,
         seed: int = 0,
         target_dtype: str = "float32",
         head_overrides: dict | None = None,
@@ -192,6 +197,10 @@ class DistillationModule(LightningModule):
             problems.append(f"lr must be > 0, got {lr}")
         if warmup_steps < 0:
             problems.append(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if not 0.0 <= path_fraction <= 1.0:
+            problems.append(f"path_fraction must be in [0, 1], got {path_fraction}")
+        elif path_fraction > 0 and block_size < 3:
+            problems.append(f"path_fraction > 0 needs block_size >= 3 (a path token), got {block_size}")
         if target_dtype not in _DTYPES:
             problems.append(f"target_dtype must be one of {list(_DTYPES)}, got {target_dtype!r}")
         if on_nonfinite_teacher not in NONFINITE_TEACHER_POLICIES:
@@ -229,6 +238,8 @@ class DistillationModule(LightningModule):
         self.train_sim_tau = SimulatedAcceptanceLength(D)
         self.val_agree = DepthAgreement(D)
         self.val_sim_tau = SimulatedAcceptanceLength(D)
+        self.val_path_agree = DepthAgreement(D)
+        self.val_path_sim_tau = SimulatedAcceptanceLength(D)
         self._t0: float | None = None
         self._checked_vocab = False
         self._total_steps: int | None = None
@@ -373,7 +384,7 @@ class DistillationModule(LightningModule):
         return ids, lm, doc
 
     # ------------------------------------------------------------------ steps
-    def _step(self, batch: dict, generator: torch.Generator) -> dict:
+    def _step(self, batch: dict, generator: torch.Generator, path_fraction: float = 0.0) -> dict:
         ids, lm, doc = self._check_batch(batch)
         hp = self.hparams
         return distill_step(
@@ -391,6 +402,7 @@ class DistillationModule(LightningModule):
             skip_nonfinite_teacher=hp.on_nonfinite_teacher == "skip",
             taps=batch.get("taps"),
             teacher_hidden=batch.get("teacher_hidden"),
+            path_fraction=path_fraction,
         )
 
     def _where(self, batch_idx: int) -> str:
@@ -428,7 +440,7 @@ class DistillationModule(LightningModule):
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
-        out = self._step(batch, self.anchor_generator(batch_idx))
+        out = self._step(batch, self.anchor_generator(batch_idx), self.hparams.get("path_fraction", 0.0))
         self.check_finite_step(out, batch_idx)
         bsz = int(batch["input_ids"].shape[0])
         self.log("train/loss", out["loss"], prog_bar=True, batch_size=bsz)
@@ -455,6 +467,14 @@ class DistillationModule(LightningModule):
         self.log("val/loss", out["loss"], batch_size=bsz, sync_dist=True)
         self.val_agree.update(out["agree_correct"], out["agree_total"])
         self.val_sim_tau.update(out["agree_correct"], out["agree_total"])
+        if self.hparams.get("path_fraction", 0.0) > 0:
+            # the same blocks (same anchors), every one conditioned on its true path
+            gen = torch.Generator(device=self.device).manual_seed(
+                step_seed(self.hparams.seed, 0, 0, batch_idx + 1)
+            )
+            path = self._step(batch, gen, path_fraction=1.0)
+            self.val_path_agree.update(path["path_agree_correct"], path["path_agree_total"])
+            self.val_path_sim_tau.update(path["path_agree_correct"], path["path_agree_total"])
 
     def on_validation_epoch_end(self) -> None:
         rates = self.val_agree.compute()
@@ -463,6 +483,12 @@ class DistillationModule(LightningModule):
         self.log("val/sim_tau", self.val_sim_tau.compute(), prog_bar=True)
         self.val_agree.reset()
         self.val_sim_tau.reset()
+        if self.hparams.get("path_fraction", 0.0) > 0:
+            for d, r in enumerate(self.val_path_agree.compute().tolist(), start=1):
+                self.log(f"val/path_agree_d{d}", r)
+            self.log("val/path_sim_tau", self.val_path_sim_tau.compute())
+            self.val_path_agree.reset()
+            self.val_path_sim_tau.reset()
 
     # ------------------------------------------------------------------ optimization
     def schedule_factor(self, step: int) -> float:

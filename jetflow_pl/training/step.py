@@ -9,6 +9,13 @@ batch (online); a teacher cache (`teacher_cache.py`) supplies the same tensors f
 `teacher_hidden=`). Anchors, masks, gathering and the loss are the same code either way; the target is
 then only used for its frozen embedding and lm_head.
 
+Training for the tree-causal pass (`path_fraction` > 0): every block gets `bs - 2` extra rows carrying
+the true continuation `x[p+1..p+bs-2]` (`masks.path_block_masks`), and a `path_fraction` share of the
+blocks (drawn per block) attends under the path mask, where the query at offset d sees the true path
+tokens before it instead of MASKs: the draft rows of `TorchBackend.refine`, conditioned on the actual
+path, with the same teacher rows and labels as the MASK-only pass. The others stay MASK-only blocks
+(their token rows are invisible), so one forward mixes both passes. Agreement is counted per pass.
+
 Positions: without packing, row `t` is at position `t` and block offset `k` at `p + k` (docs/DESIGN.md).
 With packing (`doc_ids`), positions restart at 0 in every document, for the target and the head alike,
 which is what each document sees at inference; since a block only attends inside its own document and
@@ -26,7 +33,7 @@ from jetflow_pl.target import TargetModel
 
 from .anchors import sample_anchors, segment_ids
 from .losses import chunked_kl_loss, offset_weights, teacher_positions
-from .masks import build_training_mask, document_positions
+from .masks import build_training_mask, document_positions, path_block_masks
 
 
 @dataclass
@@ -42,9 +49,12 @@ class BlockBatch:
     teacher_pos: torch.Tensor  # [B, A, bs-1] rows p + k - 1 (clamped into the sequence)
     labels: torch.Tensor  # [B, A, bs-1] input_ids[p + k] (clamped)
     row_valid: torch.Tensor  # [B, A, bs-1] bool: rows that enter the loss
+    #: [B, A] bool: blocks under the path mask (all False without path-conditioned training)
+    is_path: torch.Tensor | None = None
 
     @property
-    def block_size(self) -> int:
+    def block_len(self) -> int:
+        """Rows per block in the packed forward: bs, or 2bs - 2 with path-conditioned blocks."""
         return self.block_ids.shape[1] // max(self.anchors.shape[1], 1)
 
 
@@ -94,8 +104,12 @@ def prepare_blocks(
     in_block: str | torch.Tensor = "causal",
     generator: torch.Generator | None = None,
     anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    path_fraction: float = 0.0,
 ) -> BlockBatch:
-    """Sample anchors (or use the given `(anchors, valid)`) and build the packed block inputs."""
+    """Sample anchors (or use the given `(anchors, valid)`) and build the packed block inputs; with
+    `path_fraction` > 0, blocks of `2bs - 2` rows, that share of them path-conditioned (module doc)."""
+    if not 0.0 <= path_fraction <= 1.0:
+        raise ValueError(f"path_fraction must be in [0, 1], got {path_fraction}")
     if input_ids.dim() != 2 or loss_mask.shape != input_ids.shape:
         raise ValueError(
             f"input_ids and loss_mask must both be [B, S], got {tuple(input_ids.shape)} and {tuple(loss_mask.shape)}"
@@ -117,20 +131,37 @@ def prepare_blocks(
     anchor_pos = torch.gather(ctx_pos, 1, anc.clamp(0, S - 1))
     k = torch.arange(bs, device=input_ids.device)
     blk_pos = (anchor_pos.unsqueeze(-1) + k).reshape(B, A * bs)
-    mask = build_training_mask(anc, valid, bs, S, doc_ids, in_block)
     tpos = teacher_positions(anc, bs).clamp(0, S - 1)
     labels = torch.gather(input_ids, 1, (tpos + 1).clamp(0, S - 1).reshape(B, -1)).reshape(B, A, bs - 1)
     row_valid = valid.unsqueeze(-1).expand(B, A, bs - 1)
+    is_path = None
+    if path_fraction > 0:
+        # drawn after the anchors, so the anchors are those of the same generator without paths
+        draw = torch.rand(B, A, generator=generator, device=input_ids.device)
+        is_path = (draw < path_fraction) & valid
+        first, path = (m.to(input_ids.device) for m in path_block_masks(bs, in_block))
+        block_masks = torch.where(is_path.view(B, A, 1, 1), path, first)
+        # the path tokens x[p+1 .. p+bs-2] (inside the document: the whole block fits, see anchors.py)
+        j = torch.arange(1, bs - 1, device=input_ids.device)
+        tok_idx = (anc.unsqueeze(-1) + j).clamp(0, S - 1)
+        tok_ids = torch.gather(input_ids, 1, tok_idx.reshape(B, -1)).reshape(B, A, bs - 2)
+        tok_pos = anchor_pos.unsqueeze(-1) + j
+        block_ids = torch.cat([block_ids, tok_ids.to(block_ids.dtype)], dim=-1)
+        blk_pos = torch.cat([blk_pos.view(B, A, bs), tok_pos], dim=-1).reshape(B, -1)
+        mask = build_training_mask(anc, valid, bs, S, doc_ids, block_masks=block_masks)
+    else:
+        mask = build_training_mask(anc, valid, bs, S, doc_ids, in_block)
     return BlockBatch(
         anchors=anc,
         valid=valid,
-        block_ids=block_ids.reshape(B, A * bs),
+        block_ids=block_ids.reshape(B, -1),
         block_positions=blk_pos,
         context_positions=ctx_pos,
         attn_mask=mask,
         teacher_pos=tpos,
         labels=labels,
         row_valid=row_valid,
+        is_path=is_path,
     )
 
 
@@ -154,6 +185,7 @@ def distill_step(
     skip_nonfinite_teacher: bool = False,
     taps: torch.Tensor | None = None,
     teacher_hidden: torch.Tensor | None = None,
+    path_fraction: float = 0.0,
 ) -> dict:
     """One distillation step on a batch `[B, S]`; returns the loss (with grad into the head) and metrics.
 
@@ -164,10 +196,13 @@ def distill_step(
     `block_size` defaults to the head's, `in_block` to its config (`causal` for a JetFlow head).
     `anchors=(anchors, valid)` overrides sampling (tests, evaluation on fixed anchors).
     `skip_nonfinite_teacher` drops loss rows whose teacher logits hold a NaN/inf (see `chunked_kl_loss`).
+    `path_fraction`: the share of blocks trained path-conditioned, for the tree-causal pass (module doc).
 
     Returns a dict: `loss` (scalar), `agree_correct` / `agree_total` (`[bs-1]` long per depth),
     `num_blocks` (valid blocks), `num_rows` (loss rows), `teacher_nonfinite` (loss rows whose teacher
-    logits hold a NaN/inf, a long tensor), `anchors`, `valid`; with `return_hidden` also `student_hidden`,
+    logits hold a NaN/inf, a long tensor), `anchors`, `valid`; with `path_fraction` > 0 the agreement
+    counts cover the MASK-only blocks and `path_agree_correct` / `path_agree_total` the path-conditioned
+    ones, `num_path_blocks` counts those; with `return_hidden` also `student_hidden`,
     `teacher_hidden` (`[N, H]`), `labels` `[N]`, `depth_index` `[N]` (k-1) and `row_index` `[N, 3]`
     (batch row, anchor p, offset k) of the `N` loss rows.
     """
@@ -203,6 +238,7 @@ def distill_step(
         in_block=in_block,
         generator=generator,
         anchors=anchors,
+        path_fraction=path_fraction,
     )
     A = bb.anchors.shape[1]
 
@@ -222,7 +258,7 @@ def distill_step(
         attn_mask=bb.attn_mask,
     )
     H = hidden.shape[-1]
-    hidden = hidden.view(B, A, bs, H)[:, :, 1:]  # offsets 1..bs-1
+    hidden = hidden.view(B, A, bb.block_len, H)[:, :, 1:bs]  # offsets 1..bs-1 (the query rows)
     sel = bb.row_valid
     student = hidden[sel]
     t_hidden = torch.gather(
@@ -232,6 +268,11 @@ def distill_step(
     labels = bb.labels[sel]
     depth = torch.arange(bs - 1, device=input_ids.device).expand(B, A, bs - 1)[sel]
     weights = offset_weights(bs, decay_gamma, device=input_ids.device)[depth]
+    # agreement per pass: path-conditioned rows count at depth index (bs - 1) + k - 1
+    passes = 1 if bb.is_path is None else 2
+    pass_depth = depth
+    if bb.is_path is not None:
+        pass_depth = depth + (bs - 1) * bb.is_path.unsqueeze(-1).expand(B, A, bs - 1)[sel].long()
 
     loss, stats = chunked_kl_loss(
         student,
@@ -242,20 +283,26 @@ def distill_step(
         temperature=temperature,
         targets=labels,
         chunk_size=chunk_size,
-        depth_index=depth,
-        num_depths=bs - 1,
+        depth_index=pass_depth,
+        num_depths=passes * (bs - 1),
         skip_nonfinite_teacher=skip_nonfinite_teacher,
     )
     result = {
         "loss": loss,
-        "agree_correct": stats["agree_correct"],
-        "agree_total": stats["agree_total"],
+        "agree_correct": stats["agree_correct"][: bs - 1],
+        "agree_total": stats["agree_total"][: bs - 1],
         "num_blocks": int(bb.valid.sum()),
         "num_rows": int(stats["num_rows"]),
         "teacher_nonfinite": stats["teacher_nonfinite"],
         "anchors": bb.anchors,
         "valid": bb.valid,
     }
+    if bb.is_path is not None:
+        result.update(
+            path_agree_correct=stats["agree_correct"][bs - 1 :],
+            path_agree_total=stats["agree_total"][bs - 1 :],
+            num_path_blocks=int(bb.is_path.sum()),
+        )
     if return_hidden:
         b_idx = torch.arange(B, device=input_ids.device).view(B, 1, 1).expand(B, A, bs - 1)
         p_idx = bb.anchors.unsqueeze(-1).expand(B, A, bs - 1)
