@@ -77,7 +77,17 @@ HEADS: dict[str, tuple[str, dict]] = {
         "bidirectional in-block attention, offset weights exp(-(k-1)/7)",
         {"model.init_args.causal": False, "model.init_args.decay_gamma": 7.0},
     ),
+    "causal_g0_path": (
+        "causal_g0 plus half the blocks path-conditioned (training for the tree-causal refine pass)",
+        {
+            "model.init_args.causal": True,
+            "model.init_args.decay_gamma": None,
+            "model.init_args.path_fraction": 0.5,
+        },
+    ),
 }
+#: training for the refine pass: (head trained for it, the same head without it)
+PATH_PAIR = ("causal_g0_path", "causal_g0")
 #: comparison -> (causal head, bidirectional head, goal for tau(causal)/tau(bidirectional) at budget 256)
 PAIRS: dict[str, tuple[str, str, float]] = {
     "gamma0": ("causal_g0", "bidir_g0", 1.3),
@@ -444,6 +454,20 @@ def report(results: dict, n_boot: int) -> dict:
             for pair, (c, d, _) in PAIRS.items()
             if c in rf and d in rf
         }
+        trained, base = PATH_PAIR
+        if trained in rf and base in rf and trained in ev and base in ev:
+            # math, the same prompts in both stages; paired by prompt. "pass": the trained head with the
+            # refine pass over the base head without it (what a user gains by switching both on)
+            plain = {h: ev[h]["math"] for h in (trained, base)}
+            results["path_ratios"] = {
+                name: {b: ratio_stats(a[b], c[b], n_boot) for b in rf[trained]["math"] if b in a and b in c}
+                for name, (a, c) in {
+                    "pass_vs_base_plain": (rf[trained]["math"], plain[base]),
+                    "refine_trained_vs_base": (rf[trained]["math"], rf[base]["math"]),
+                    "plain_trained_vs_base": (plain[trained], plain[base]),
+                    "refine_vs_plain_trained": (rf[trained]["math"], plain[trained]),
+                }.items()
+            }
     return results
 
 

@@ -210,3 +210,16 @@ def test_the_decode_loop_times_rounds_and_auto_goes_to_ar(tiny_target_dir):
     assert 2 <= len(drafted) <= 3, drafted
     assert pol.round_cost(drafted[0]) > 5.0
     assert "the profile's cost (clock" in pol.describe()
+
+
+def test_a_draining_batch_learns_once_per_bucket():
+    """Timed at 8 requests (tree rounds 5x AR, the profile said cheap), a batch draining to 7, 6, 5 (the
+    same measured row, bucket 8) goes straight to AR; 4 requests is another bucket and learns anew."""
+    prof = profile(slope=0.05, draft=0.3, batch={2: 0.005, 4: 0.005, 8: 0.005})
+    pol = started(AutoBudget(prof, prior(), explore_every=10**6, probe_every=10**6))
+    at8 = run_rounds(pol, lambda k: 1.0 if k == 0 else 5.0, 20, batch=8)
+    assert at8[:4] == [at8[0], at8[0], 0, 0] and at8[0] > 0 and set(at8[4:]) == {0}, at8
+    for b in (7, 6, 5):
+        assert run_rounds(pol, lambda k: 1.0 if k == 0 else 5.0, 5, batch=b) == [0] * 5, b
+    at4 = run_rounds(pol, lambda k: 1.0 if k == 0 else 5.0, 6, batch=4)
+    assert at4[0] > 0, at4  # a bucket of its own: the profile again until timed

@@ -49,12 +49,13 @@ under whatever load the machine had then; decoding later, on a busier or a quiet
 be off by 2x (measured: a batch-16 round on ONNX Runtime that the profile put at 1.4 AR steps took 2.9).
 So the decode loop reports each round's wall time (`observe_time`: budget, batch size, seconds; draft,
 build, verify, acceptance and commit, what the profile's cost covers), and the policy keeps the last
-`timing_window` times per (batch size, budget). Once it has timed `timing_samples` AR rounds and rounds at
-a budget at one batch size, that budget's cost is the observed ratio (lower medians: robust to the slow
-first call of a new shape); a budget timed fewer times there takes the profile's cost times the profile's
-median error over all tree rounds timed at that batch size. AR times come from AR check rounds: while speculating at a batch size
-whose AR time is unknown or stale, one round in `check_every` (doubling while the checks change nothing,
-up to `max_check_every`) is played as AR. A wrong profile then costs a few rounds, not a session: the
+`timing_window` ratios observed / profiled seconds per (budget, batch bucket: the sizes the profile costs
+with one measured row, so a batch draining from 16 to 9 requests is learned once). Once `timing_samples`
+AR rounds and tree rounds were timed in a bucket, a budget's cost is the profile's times its rounds' ratio
+over AR's (lower medians: robust to the slow first call of a new shape; a budget timed fewer times takes
+the ratio of every tree round in the bucket). AR times come from AR check rounds: while speculating in a
+bucket whose AR time is unknown or stale, one round in `check_every` (doubling while the checks change
+nothing, up to `max_check_every`) is played as AR. A wrong profile then costs a few rounds, not a session: the
 choice moves to a smaller budget or to AR as soon as the clock disagrees with it. Times expire after
 `max_check_every` session rounds without a new one, so a session that went to AR under a burst of load
 falls back to the profile and tries speculating again (a few rounds per expiry).
@@ -65,7 +66,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -325,8 +326,8 @@ class AutoBudget:
         self.timing_window = int(timing_window)
         self.check_every = int(check_every)
         self.max_check_every = max(int(max_check_every), self.check_every)
-        # (batch size, budget) -> the last `timing_window` round times in seconds, and the session round
-        # of the last one (times older than `max_check_every` rounds expire: the load they saw has moved on)
+        # (batch bucket, budget) -> the last `timing_window` rounds' observed / profiled seconds, and the
+        # session round of the last one (older than `max_check_every` rounds: expired, the load moved on)
         self._times: dict[tuple[int, int], deque[float]] = {}
         self._timed_at: dict[tuple[int, int], int] = {}
         # per batch size: the session round from which the next AR check round is due, and the interval
@@ -441,48 +442,49 @@ class AutoBudget:
 
     # ---- costs: the profile, checked against the clock --------------------------------------------
     def round_cost(self, budget: int, batch: int = 1) -> float:
-        """Cost of a round at `budget` for `batch` requests in (batched) AR steps: the profile's, or the
-        observed ratio of round times once both this budget and AR were timed at this batch size (module
-        doc); a budget not timed there gets the profile's cost times the profile's median error there."""
+        """Cost of a round at `budget` for `batch` requests in (batched) AR steps: the profile's, corrected
+        by the clock (module doc) once AR and tree rounds were timed in this batch size's bucket: the
+        profile's cost times (observed / profiled seconds of this budget's rounds, or of every tree round
+        there while this budget has too few) over (observed / profiled seconds of AR rounds)."""
         assert self.cost is not None, "call start(backend) first"
         profiled = self.cost.cost(budget, batch)
         if budget == 0 or not self.check_costs:
             return profiled
-        b = max(1, int(batch))
-        ar = self._timed(b, 0)
-        if ar is None:
-            return profiled
-        own = self._timed(b, budget)
-        if own is not None:
-            return own / ar
-        error = self._profile_error(b, ar)
-        return profiled if error is None else profiled * error
+        bucket = self._bucket(batch)
+        ar = self._error(bucket, 0)
+        tree = self._error(bucket, budget)
+        if tree is None:
+            tree = self._error(bucket, None)
+        return profiled if ar is None or tree is None else profiled * tree / ar
 
-    def _fresh_times(self, batch: int) -> dict[int, deque[float]]:
-        """The unexpired round times of every budget > 0 timed at `batch`."""
-        return {
-            k: t
-            for (bb, k), t in self._times.items()
-            if bb == batch and k and self._session_round - self._timed_at[(bb, k)] <= self.max_check_every
-        }
-
-    def _profile_error(self, batch: int, ar: float) -> float | None:
-        """Observed over profiled cost at `batch`, the lower median over every timed tree round there
-        (pooled over budgets: exploration may time each budget only once); None below `timing_samples`."""
+    def _bucket(self, batch: int) -> int:
+        """The batch sizes whose times are pooled: those the profile costs with the same measured row
+        (the smallest measured size >= `batch`; 1 alone; above the largest, the largest). A batch that
+        drains from 16 to 9 requests is one bucket, so its cost is not learned again at every size."""
         assert self.cost is not None
-        errors = sorted(
-            s / ar / self.cost.cost(k, batch) for k, t in self._fresh_times(batch).items() for s in t
-        )
-        return errors[(len(errors) - 1) // 2] if len(errors) >= self.timing_samples else None
+        b = max(1, int(batch))
+        if b == 1:
+            return 1
+        sizes = self.cost.batch_sizes
+        i = bisect_left(sizes, b)
+        return sizes[i] if i < len(sizes) else (sizes[-1] if sizes else b)
 
-    def _timed(self, batch: int, budget: int) -> float | None:
-        """Lower median of the recent round times at (batch, budget); None below `timing_samples`."""
-        times = self._times.get((batch, budget))
-        if times is None or len(times) < self.timing_samples:
-            return None
-        if self._session_round - self._timed_at[(batch, budget)] > self.max_check_every:
-            return None
-        return sorted(times)[(len(times) - 1) // 2]
+    def _fresh(self, bucket: int, budget: int | None) -> list[float]:
+        """Unexpired observed/profiled seconds in `bucket` at `budget` (None: every budget > 0)."""
+        return [
+            x
+            for (bb, k), xs in self._times.items()
+            if bb == bucket
+            and (k == budget if budget is not None else k > 0)
+            and self._session_round - self._timed_at[(bb, k)] <= self.max_check_every
+            for x in xs
+        ]
+
+    def _error(self, bucket: int, budget: int | None) -> float | None:
+        """Lower median of observed/profiled seconds (robust to the slow first call of a new shape);
+        None below `timing_samples` samples."""
+        xs = sorted(self._fresh(bucket, budget))
+        return xs[(len(xs) - 1) // 2] if len(xs) >= self.timing_samples else None
 
     def observe_time(self, budget: int, batch: int, seconds: float) -> None:
         """Wall time of one round played at `budget` (every tree of that size) for `batch` requests.
@@ -495,30 +497,32 @@ class AutoBudget:
         b = max(1, int(batch))
         if budget != 0 and budget not in self.candidates_at(b):
             return
-        key = (b, int(budget))
+        profiled = self.cost.cost(budget, b) * self.cost.ar_seconds(b)
+        key = (self._bucket(b), int(budget))
         if key in self._times and self._session_round - self._timed_at[key] > self.max_check_every:
             self._times[key].clear()  # expired: start over rather than mix in the old load's times
-        self._times.setdefault(key, deque(maxlen=self.timing_window)).append(float(seconds))
+        self._times.setdefault(key, deque(maxlen=self.timing_window)).append(float(seconds) / profiled)
         self._timed_at[key] = self._session_round
         if budget == 0 and self._checking is not None:
             stood_in_for, self._checking = self._checking, None
-            if self._timed(b, 0) is None:
+            if self._error(key[0], 0) is None:
                 return  # not enough AR times yet: the next round checks again
             batch_stats = self._batch if self._batch is not None and len(self._batch) == b else None
             now = self._best_of(self.speeds() if batch_stats is None else self.batch_speeds(batch_stats))
-            interval = self._check_interval.get(b, self.check_every)
+            interval = self._check_interval.get(key[0], self.check_every)
             interval = self.check_every if now != stood_in_for else min(2 * interval, self.max_check_every)
-            self._check_interval[b] = interval
-            self._next_check[b] = self._session_round + interval
+            self._check_interval[key[0]] = interval
+            self._next_check[key[0]] = self._session_round + interval
 
     def _ar_check_due(self, batch: int) -> bool:
-        """Whether the next round at `batch` should be an AR check round (speculating there, with rounds
-        timed but AR's time there unknown, or its last check an interval ago)."""
+        """Whether the next round at `batch` should be an AR check round (speculating in its bucket, with
+        tree rounds timed but AR's time there unknown, or its last check an interval ago)."""
         if not self.check_costs:
             return False
-        if self._timed(batch, 0) is None:
-            return sum(len(t) for t in self._fresh_times(batch).values()) >= self.timing_samples
-        return self._session_round >= self._next_check.get(batch, 0)
+        bucket = self._bucket(batch)
+        if self._error(bucket, 0) is None:
+            return len(self._fresh(bucket, None)) >= self.timing_samples
+        return self._session_round >= self._next_check.get(bucket, 0)
 
     def best(self) -> int:
         """The candidate with the highest expected speed (ties: the smaller budget); 0 unless some budget
@@ -723,11 +727,10 @@ class AutoBudget:
         line = (
             "expected speed vs AR: " + " ".join(f"{k}:{v:.2f}" for k, v in sp.items()) + f" -> {self.best()}"
         )
-        ar = self._timed(1, 0) if self.check_costs else None
-        error = None if ar is None else self._profile_error(1, ar)
-        if error is not None:
-            rounds = sum(len(t) for t in self._fresh_times(1).values())
-            line += f"; tree rounds took {error:.2f}x the profile's cost (clock, {rounds} rounds)"
+        ar, tree = (self._error(1, 0), self._error(1, None)) if self.check_costs else (None, None)
+        if ar is not None and tree is not None:
+            rounds = len(self._fresh(1, None))
+            line += f"; tree rounds took {tree / ar:.2f}x the profile's cost (clock, {rounds} rounds)"
         return line
 
 

@@ -284,6 +284,14 @@ class CostProfile:
     def max_measured_batch(self) -> int:
         return self.batch_sizes[-1] if self.batch_sizes else 1
 
+    def ar_seconds(self, batch: int = 1) -> float:
+        """Seconds of one AR step of `batch` requests batched, t(B, 1), by the rule of `cost` (the row of
+        the smallest measured size >= B, scaled above the largest)."""
+        if batch <= 1:
+            return self.t1
+        _, verify, _, _, scale = self._batch_row(batch)
+        return scale * verify[0]
+
     def batch_ar_ratio(self, batch: int) -> float | None:
         """t(B, 1)/t(1): what a batched AR step costs against one request's (None: B not measured)."""
         if batch == 1:
