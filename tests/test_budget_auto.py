@@ -347,7 +347,11 @@ def test_auto_greedy_output_is_identical_to_ar(tiny, tau):
     target, ps, refs = tiny
     # check_costs off: the synthetic profile (not this CPU's clock) is what makes it draft and explore
     pol = AutoBudget(
-        linear_cost(0.01, 0.1), prior_of(tau, rounds=4), explore_every=1, explore_margin=0.9, check_costs=False
+        linear_cost(0.01, 0.1),
+        prior_of(tau, rounds=4),
+        explore_every=1,
+        explore_margin=0.9,
+        check_costs=False,
     )
     gen = SpeculativeGenerator(TorchBackend(target, make_head(target)), pol, width=3, eos_token_id=EOS)
     played = set()

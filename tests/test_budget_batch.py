@@ -14,6 +14,7 @@ import json
 import pytest
 import torch
 from conftest import TINY_VOCAB
+from synthetic_costs import batched_profile as profile
 
 from data_gen.toy import SMALL_HEAD_DIR, SMALL_TARGET_DIR, heldout_prompts
 from jetflow_pl.decoding import ARGenerator, SpeculativeGenerator
@@ -26,7 +27,6 @@ from jetflow_pl.decoding.budget import (
     observe_round,
 )
 from jetflow_pl.decoding.cost_profile import (
-    LADDER_NODES,
     CostProfile,
     CostProfileMismatch,
     batch_sizes_for,
@@ -47,26 +47,6 @@ BATCHES = (2, 4, 8)
 
 
 # ------------------------------------------------------------------------------------------ helpers
-def profile(batch_slope: dict[int, float], slope: float = 0.02, draft: float = 0.2) -> CostProfile:
-    """t(1) = 1 s, t(N)/t(1) = 1 + slope (N - 1); per measured B: t(B, 1) = 0.5 B s (batching pays for
-    AR), t(B, N)/t(B, 1) = 1 + batch_slope[B] (N - 1), the batched draft 0.2 t(B, 1), no build time."""
-    sizes = sorted(batch_slope)
-    return CostProfile(
-        fingerprint={"machine": "synthetic"},
-        nodes=list(LADDER_NODES),
-        verify_s=[1.0 + slope * (n - 1) for n in LADDER_NODES],
-        build_s=[0.0] * len(LADDER_NODES),
-        draft_s=draft,
-        kv_len=256,
-        repeats=1,
-        batch_sizes=sizes,
-        batch_nodes=[list(LADDER_NODES) for _ in sizes],
-        batch_verify_s=[[0.5 * b * (1.0 + batch_slope[b] * (n - 1)) for n in LADDER_NODES] for b in sizes],
-        batch_build_s=[[0.0] * len(LADDER_NODES) for _ in sizes],
-        batch_draft_s=[0.5 * b * draft for b in sizes],
-    )
-
-
 #: a CPU: the batched verify turns compute-bound, each extra tree node costs more the larger the batch
 CPU = profile({2: 0.1, 4: 0.25, 8: 1.0})
 #: a GPU: a verify of B x N rows costs about what B AR steps cost, at every batch size measured

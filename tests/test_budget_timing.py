@@ -14,10 +14,11 @@ import time
 import pytest
 import torch
 from conftest import TINY_VOCAB
+from synthetic_costs import batched_profile
 
 from jetflow_pl.decoding import ARGenerator, SpeculativeGenerator
 from jetflow_pl.decoding.budget import LADDER_BUDGETS, AcceptanceProfile, AcceptanceStats, AutoBudget
-from jetflow_pl.decoding.cost_profile import LADDER_NODES, CostProfile
+from jetflow_pl.decoding.cost_profile import CostProfile
 from jetflow_pl.head import DraftHead, DraftHeadConfig
 from jetflow_pl.runtime.torch_backend import TorchBackend
 from jetflow_pl.target import TargetModel
@@ -32,23 +33,9 @@ TAU = {k: 2.0 if k < 2 else 3.0 for k in LADDER_BUDGETS if k}
 
 
 def profile(slope: float, draft: float, batch: dict[int, float] | None = None) -> CostProfile:
-    """t(1) = 1 s, t(N)/t(1) = 1 + slope (N - 1), the draft `draft` s; per B in `batch`: t(B, 1) = 0.5 B s,
-    t(B, N)/t(B, 1) = 1 + batch[B] (N - 1), the batched draft `draft` t(B, 1)."""
-    sizes = sorted(batch or {})
-    return CostProfile(
-        fingerprint={"machine": "synthetic"},
-        nodes=list(LADDER_NODES),
-        verify_s=[1.0 + slope * (n - 1) for n in LADDER_NODES],
-        build_s=[0.0] * len(LADDER_NODES),
-        draft_s=draft,
-        kv_len=256,
-        repeats=1,
-        batch_sizes=sizes,
-        batch_nodes=[list(LADDER_NODES) for _ in sizes],
-        batch_verify_s=[[0.5 * b * (1.0 + batch[b] * (n - 1)) for n in LADDER_NODES] for b in sizes],
-        batch_build_s=[[0.0] * len(LADDER_NODES) for _ in sizes],
-        batch_draft_s=[0.5 * b * draft for b in sizes],
-    )
+    """t(1) = 1 s, t(N)/t(1) = 1 + slope (N - 1), the draft `draft` s; per B in `batch` the batched rows
+    of `synthetic_costs.batched_profile`."""
+    return batched_profile(batch or {}, slope, draft)
 
 
 def prior(rounds: int = 100) -> AcceptanceProfile:

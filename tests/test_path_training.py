@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TINY_VOCAB
+from tiny_heads import perturbed_head
 
-from jetflow_pl.head import DraftHead, DraftHeadConfig
+from jetflow_pl.head import DraftHead
 from jetflow_pl.runtime.torch_backend import TorchBackend
 from jetflow_pl.target import TargetModel
 from jetflow_pl.training import distill_step, prepare_blocks
@@ -24,16 +25,7 @@ MASK_ID = TINY_VOCAB - 1
 
 
 def make_head(target: TargetModel, block_size: int, causal: bool = True, seed: int = 0) -> DraftHead:
-    torch.manual_seed(seed)
-    cfg = DraftHeadConfig.for_target(
-        target.config, num_hidden_layers=2, block_size=block_size, causal=causal, mask_token_id=MASK_ID
-    )
-    head = DraftHead(cfg)
-    with torch.no_grad():  # perturb the norms so that the checks are sensitive to them
-        for name, p in head.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return head.eval()
+    return perturbed_head(target, MASK_ID, block_size, causal, seed, layers=2).eval()
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import TINY_VOCAB
+from tiny_heads import perturbed_head
 from transformers import AutoModelForCausalLM
 
-from jetflow_pl.head import DraftHead, DraftHeadConfig
+from jetflow_pl.head import DraftHead
 from jetflow_pl.target import TargetModel
 from jetflow_pl.training import (
     DepthAgreement,
@@ -36,16 +37,7 @@ MASK_ID = TINY_VOCAB - 1
 
 
 def make_head(target: TargetModel, block_size: int = 4, causal: bool = True, seed: int = 0) -> DraftHead:
-    torch.manual_seed(seed)
-    cfg = DraftHeadConfig.for_target(
-        target.config, num_hidden_layers=1, block_size=block_size, causal=causal, mask_token_id=MASK_ID
-    )
-    head = DraftHead(cfg)
-    with torch.no_grad():  # perturb the norms so that the checks are sensitive to them
-        for name, p in head.named_parameters():
-            if "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return head
+    return perturbed_head(target, MASK_ID, block_size, causal, seed)
 
 
 @pytest.fixture(scope="module")
