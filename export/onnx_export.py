@@ -35,6 +35,7 @@ from export.parity import (
 )
 from export.tree_attention_onnx import translation_table
 from jetflow_pl.checkpoints import load_draft_head
+from jetflow_pl.decoding.budget import ACCEPTANCE_PROFILE_FILE
 from jetflow_pl.errors import UserInputError
 from jetflow_pl.head import DraftHead
 from jetflow_pl.masks import pack_tree_batch
@@ -362,6 +363,11 @@ def export_engine(s: ExportSettings) -> Path:
         for name in TOKENIZER_FILES:
             if (Path(s.target) / name).is_file():
                 shutil.copy2(Path(s.target) / name, tok_dir / name)
+        # the head's acceptance prior travels with the engine: `--budget auto` on an engine directory
+        # starts from it as it does beside the head
+        prior = Path(s.head) / ACCEPTANCE_PROFILE_FILE
+        if prior.is_file():
+            shutil.copy2(prior, tmp / ACCEPTANCE_PROFILE_FILE)
         config = _engine_config(s, head, target)
         write_engine_config(tmp, config)
         t0 = time.perf_counter()

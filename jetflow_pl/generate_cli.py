@@ -223,11 +223,13 @@ def _backends(args: argparse.Namespace, target: TargetModel, head: DraftHead):
 
 
 def _acceptance_prior(args: argparse.Namespace) -> AcceptanceProfile | None:
-    """`--acceptance-profile`, else the profile saved beside the head; a width it was not measured at is
-    refused when given explicitly and ignored (with a note) when found beside the head."""
+    """`--acceptance-profile`, else the profile saved beside the head, else the one in the engine
+    directory (`jetflow-export` copies the head's); a width it was not measured at is refused when given
+    explicitly and ignored (with a note) when found."""
     path, explicit = args.acceptance_profile, True
-    if path is None and args.head is not None and (args.head / ACCEPTANCE_PROFILE_FILE).is_file():
-        path, explicit = args.head / ACCEPTANCE_PROFILE_FILE, False
+    for folder in (args.head, getattr(args, "engine_dir", None)):
+        if path is None and folder is not None and (Path(folder) / ACCEPTANCE_PROFILE_FILE).is_file():
+            path, explicit = Path(folder) / ACCEPTANCE_PROFILE_FILE, False
     if path is None:
         return None
     prior = AcceptanceProfile.load(path)

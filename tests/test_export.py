@@ -6,6 +6,7 @@ are exported once per module; every test reads them.
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 from pathlib import Path
@@ -19,6 +20,7 @@ from data_gen.toy import SMALL_HEAD_DIR, SMALL_TARGET_DIR, heldout_prompts
 from data_gen.toy.tokenizer import prompt_ids
 from export.cli import main as export_main
 from export.onnx_export import ExportSettings, export_engine
+from jetflow_pl.decoding.budget import ACCEPTANCE_PROFILE_FILE, AcceptanceProfile
 from jetflow_pl.decoding.generator import SpeculativeGenerator
 from jetflow_pl.head import DraftHead
 from jetflow_pl.runtime.contract import (
@@ -49,12 +51,33 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("engines")
+    # the portable engine is exported from a copy of the head that carries an acceptance prior
+    with_prior = root / "head_with_prior"
+    shutil.copytree(SMALL_HEAD_DIR, with_prior)
+    AcceptanceProfile(budgets=[4, 16], tau=[2.5, 3.5], rounds=[10, 10], width=4).save(
+        with_prior / ACCEPTANCE_PROFILE_FILE
+    )
     out = {}
     for variant in ("plugin", "portable", "attention"):
+        head = with_prior if variant == "portable" else SMALL_HEAD_DIR
         out[variant] = export_engine(
-            ExportSettings(head=SMALL_HEAD_DIR, target=SMALL_TARGET_DIR, out=root / variant, variant=variant)
+            ExportSettings(head=head, target=SMALL_TARGET_DIR, out=root / variant, variant=variant)
         )
     return out
+
+
+def test_the_heads_acceptance_prior_travels_with_the_engine(engines, capsys):
+    """`--budget auto` on an engine directory starts from the prior the head was saved with."""
+    from jetflow_pl.generate_cli import _acceptance_prior
+
+    assert not (engines["plugin"] / ACCEPTANCE_PROFILE_FILE).exists()  # the head had none
+    copied = AcceptanceProfile.load(engines["portable"] / ACCEPTANCE_PROFILE_FILE)
+    assert copied.tau == [2.5, 3.5] and copied.width == 4
+    args = argparse.Namespace(acceptance_profile=None, head=None, engine_dir=engines["portable"], width=4)
+    assert _acceptance_prior(args).tau == [2.5, 3.5]
+    args.width = 2  # measured at width 4: found, not given, so ignored with a note
+    assert _acceptance_prior(args) is None
+    assert "measured at --width 4" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
