@@ -180,6 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "cost_at_B": {k: round(cost.cost(k, B), 3) for k in cost.budgets_at(B)},
                         "t_B1_over_t1": cost.batch_ar_ratio(B),
                         "session_tau": {k: round(v, 3) for k, v in policy.estimates().items()},
+                        # the clock check (AutoBudget.timing_report): observed vs profiled round times
+                        "clock": policy.timing_report(),
                     }
                 print(
                     f"rep {rep} batch {B} budget {budget}: {level['tokens_per_s']:.0f} tok/s, "

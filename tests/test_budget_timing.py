@@ -210,3 +210,13 @@ def test_a_draining_batch_learns_once_per_bucket():
         assert run_rounds(pol, lambda k: 1.0 if k == 0 else 5.0, 5, batch=b) == [0] * 5, b
     at4 = run_rounds(pol, lambda k: 1.0 if k == 0 else 5.0, 6, batch=4)
     assert at4[0] > 0, at4  # a bucket of its own: the profile again until timed
+
+
+def test_timing_report_says_what_the_clock_saw():
+    cheap = profile(slope=0.01, draft=0.1)
+    pol = started(AutoBudget(cheap, prior()))
+    run_rounds(pol, lambda k: 1.0 if k == 0 else 4.0, 6)
+    report = pol.timing_report()["1"]
+    assert report["0"]["rounds"] >= 2 and report["2"]["rounds"] >= 2
+    assert report["2"]["cost_used"] == pytest.approx(4.0)
+    assert report["2"]["cost_profiled"] == pytest.approx(cheap.cost(2))

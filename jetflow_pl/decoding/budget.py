@@ -721,6 +721,22 @@ class AutoBudget:
         cost = sum(self.cost.cost(k) for k in budgets)
         return sum(accept_lengths) / cost if cost > 0 else 0.0
 
+    def timing_report(self) -> dict[str, dict[str, dict[str, float]]]:
+        """What the clock check saw, for benchmarks and logs: per batch bucket and budget, the recent
+        rounds' count and lower-median observed/profiled seconds, and the cost in use vs the profile's."""
+        assert self.cost is not None, "call start(backend) first"
+        out: dict[str, dict[str, dict[str, float]]] = {}
+        for (bucket, k), xs in sorted(self._times.items()):
+            if not xs:
+                continue
+            ordered = sorted(xs)
+            row = {"rounds": float(len(xs)), "observed_over_profiled": ordered[(len(xs) - 1) // 2]}
+            if k:
+                row["cost_profiled"] = self.cost.cost(k, bucket)
+                row["cost_used"] = self.round_cost(k, bucket)
+            out.setdefault(str(bucket), {})[str(k)] = row
+        return out
+
     def describe(self) -> str:
         """One line: the expected speed of each candidate (AR = 1) and the current choice."""
         sp = self.speeds()
