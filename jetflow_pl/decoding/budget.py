@@ -330,7 +330,7 @@ class AutoBudget:
         # session round of the last one (older than `max_check_every` rounds: expired, the load moved on)
         self._times: dict[tuple[int, int], deque[float]] = {}
         self._timed_at: dict[tuple[int, int], int] = {}
-        # per batch size: the session round from which the next AR check round is due, and the interval
+        # per batch bucket: the session round from which the next AR check round is due, and the interval
         self._next_check: dict[int, int] = {}
         self._check_interval: dict[int, int] = {}
         self._checking: int | None = None  # the budget an AR check round stands in for
