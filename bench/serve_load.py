@@ -68,6 +68,7 @@ class Server:
             cmd += ["--backend", args.backend]
         cmd += ["--port", str(self.port), "--max-batch", str(args.max_batch), "--served-model-name", MODEL]
         cmd += ["--max-queue", str(max(args.concurrency) + 1), "--log-level", "warning"]
+        cmd += ["--threads", str(args.threads)]  # torch's and, for an engine, ONNX Runtime's
         self.cmd = cmd
         self.log = log_dir / f"server_budget_{budget}.log"
         self.env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)}

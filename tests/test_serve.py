@@ -867,6 +867,7 @@ def test_engine_directory_is_served_one_request_at_a_time(pair, tmp_path_factory
     )
     args = build_parser().parse_args(
         ["--engine-dir", str(engine_dir), "--budget", "16", "--max-batch", "4", "--served-model-name", MODEL]
+        + ["--threads", "1"]  # ONNX Runtime's intra-op threads
     )
     app = make_app(args)
     assert app.state.driver.engine.max_batch == 1
@@ -889,3 +890,12 @@ def test_engine_directory_is_served_one_request_at_a_time(pair, tmp_path_factory
             with ThreadPoolExecutor(3) as pool:
                 got = list(pool.map(ask, range(3)))
     assert got == chat_refs[:3]
+
+
+def test_threads_flag_is_checked():
+    from jetflow_pl.serve.cli import build_parser
+
+    assert build_parser().parse_args(["--threads", "2"]).threads == 2
+    assert build_parser().parse_args([]).threads is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--threads", "0"])

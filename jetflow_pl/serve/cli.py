@@ -39,12 +39,18 @@ def build_parser() -> argparse.ArgumentParser:
         choices=[*BACKEND_KINDS, "graph"],
         default=None,
         help="torch (default with --target; batched), torch-graph, onnxruntime / tensorrt (default "
-        "onnxruntime with --engine-dir; batch 1)",
+        "onnxruntime with --engine-dir; batched when exported with --max-batch)",
     )
     p.add_argument(
         "--engine-dir", type=Path, default=None, help="engine directory (written by jetflow-export)"
     )
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--threads",
+        type=_int_at_least(1),
+        default=None,
+        help="CPU threads of the forwards: torch's and ONNX Runtime's intra-op threads (default: theirs)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 to serve other machines)")
     p.add_argument("--port", type=_int_at_least(0), default=8000)
     p.add_argument(
@@ -91,6 +97,10 @@ def load_server_parts(args: argparse.Namespace) -> tuple[Any, Any, str]:
     from jetflow_pl.runtime.loader import ENGINE_KINDS, load_backend, resolve_kind
 
     _check_device(args.device)
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     kind = resolve_kind(args.backend or ("onnxruntime" if args.engine_dir is not None else "torch"))
     if kind in ENGINE_KINDS:
         if args.engine_dir is None:
@@ -98,7 +108,10 @@ def load_server_parts(args: argparse.Namespace) -> tuple[Any, Any, str]:
         from jetflow_pl.runtime.contract import TOKENIZER_DIR
 
         backend = load_backend(
-            kind, engine_dir=args.engine_dir, device=args.device if kind == "tensorrt" else None
+            kind,
+            engine_dir=args.engine_dir,
+            device=args.device if kind == "tensorrt" else None,
+            intra_op_threads=args.threads,
         )
         tokenizer = _load_tokenizer(
             args.target if args.target is not None else args.engine_dir / TOKENIZER_DIR
