@@ -219,3 +219,25 @@ def test_data_outside_vocab_fails_on_first_batch(tiny_target_dir: Path, tmp_path
         _trainer(tmp_path, 1).fit(
             _module(tiny_target_dir), datamodule=_data(tmp_path / "bad", val_fraction=0.0, seq_len=512)
         )
+
+
+@pytest.mark.parametrize("target_dtype", ["float32", "bfloat16"])
+def test_a_bfloat16_saved_head_trains_in_float32_through_tau_checks(
+    tiny_target_dir: Path, random_dataset: Path, tmp_path: Path, target_dtype: str
+) -> None:
+    """Continuing from a head stored in bfloat16 (as the shipped SmolLM2 head is): the module trains
+    float32 master weights, and the val/tau decode (whose backend casts its head to the target's dtype)
+    never changes the dtype the optimizer sees. Before: bfloat16 weights for the first steps, then the
+    callback's cast to float32 broke AdamW's bfloat16 state at the next step."""
+    torch.manual_seed(0)
+    start = _module(tiny_target_dir).head
+    start.to(torch.bfloat16).save_pretrained(str(tmp_path / "bf16_head"))
+    module = _module(tiny_target_dir, init_head_path=str(tmp_path / "bf16_head"), target_dtype=target_dtype)
+    assert {p.dtype for p in module.head.parameters()} == {torch.float32}
+    tau = AcceptanceLengthCallback(
+        every_n_steps=1, budget=4, prompt_token_ids=[[5, 6, 7, 8]], max_new_tokens=4
+    )
+    trainer = _trainer(tmp_path, max_steps=3, callbacks=[tau])
+    trainer.fit(module, datamodule=_data(random_dataset))
+    assert trainer.global_step == 3 and len(tau.history) >= 2
+    assert {p.dtype for p in module.head.parameters()} == {torch.float32}

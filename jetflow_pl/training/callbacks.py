@@ -23,6 +23,7 @@ rank (`summon_full_params`) before the decoder runs or rank 0 saves them.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import time
@@ -249,8 +250,13 @@ class AcceptanceLengthCallback(Callback):
         head = pl_module.head
         was_training = head.training
         t0 = time.perf_counter()
+        param = next(head.parameters(), None)
+        if param is not None and param.dtype != pl_module.target.dtype:
+            # the backend casts its head to the target's dtype in place: decode a copy, so the weights
+            # the optimizer updates (float32 master weights) never change dtype or precision
+            head = copy.deepcopy(head)
         try:
-            backend = TorchBackend(pl_module.target, head)  # sets head.eval()
+            backend = TorchBackend(pl_module.target, head)  # sets head.eval(), casts to the target dtype
             room = int(pl_module.target.config.max_position_embeddings)
             curve = {k: self._decode(backend, prompts, k, room) for k in self.budgets}
         finally:

@@ -256,7 +256,10 @@ class DistillationModule(LightningModule):
         if hp.init_head_path is not None:
             if not Path(hp.init_head_path).is_dir():
                 raise UserInputError(f"init_head_path {hp.init_head_path!r} is not a folder")
-            return DraftHead.from_pretrained(hp.init_head_path)
+            # float32 master weights whatever the head was stored in (the shipped SmolLM2 head is
+            # bfloat16): AdamW on bfloat16 weights loses most small updates, and the optimizer state
+            # must keep one dtype
+            return DraftHead.from_pretrained(hp.init_head_path).float()
         if mask_token_id is None:
             mask_token_id = default_mask_token_id(path)
         if mask_token_id is None:
