@@ -582,7 +582,8 @@ def plots(results: dict, out: Path) -> list[Path]:
 
     out.mkdir(parents=True, exist_ok=True)
     style = {"causal_g0": ("tab:blue", "-"), "bidir_g0": ("tab:orange", "-"),
-             "causal_g7": ("tab:blue", "--"), "bidir_g7": ("tab:orange", "--")}  # fmt: skip
+             "causal_g7": ("tab:blue", "--"), "bidir_g7": ("tab:orange", "--"),
+             "causal_g0_path": ("tab:green", "-")}  # fmt: skip
     st = results["stats"]
     fig, axes = plt.subplots(1, 4, figsize=(16, 4))
     for ax, domain in zip(axes, [*DOMAINS, "all"], strict=True):
