@@ -73,24 +73,32 @@ class Server:
         self.log = log_dir / f"server_budget_{budget}.log"
         self.env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)}
         self.proc: subprocess.Popen | None = None
+        self.startup_timeout = float(args.startup_timeout)
 
     def __enter__(self) -> Server:
         self._log = self.log.open("w")
         self.proc = subprocess.Popen(
             self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO
         )
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + self.startup_timeout
         while True:
             if self.proc.poll() is not None:
-                raise SystemExit(f"the server exited ({self.proc.returncode}); see {self.log}")
+                self._fail(f"the server exited ({self.proc.returncode})")
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise SystemExit(f"the server did not come up in 300 s; see {self.log}")
+                self._fail(f"the server did not come up in {self.startup_timeout:.0f} s (--startup-timeout)")
             time.sleep(0.2)
+
+    def _fail(self, why: str) -> None:
+        """Stop the server (`__exit__` does not run when `__enter__` raises) and say why, with the end of
+        its log (the log's folder is temporary)."""
+        self.__exit__()
+        tail = "".join(self.log.read_text(errors="replace").splitlines(keepends=True)[-15:])
+        raise SystemExit(f"{why}; server command: {shlex.join(self.cmd)}; its log ends:\n{tail}")
 
     def __exit__(self, *exc) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -222,7 +230,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--max-batch", type=int, default=8)
-    p.add_argument("--threads", type=int, default=1, help="torch threads of the server process")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads of the server (torch, ONNX Runtime)")
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=900,
+        help="seconds a server may take to come up (with --budget auto it measures its cost profile first)",
+    )
     p.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS, help="jsonl (prompt/messages) or .txt")
     p.add_argument("--n-prompts", type=int, default=16)
     p.add_argument("--no-chat-template", action="store_true")
