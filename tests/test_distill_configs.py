@@ -4,6 +4,7 @@ instantiated, so the GPU templates are checked on a CPU machine too."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -20,15 +21,28 @@ def test_the_templates_are_all_there() -> None:
     assert {"quickstart.yaml", "gpu_template.yaml", "gpu_template_fsdp.yaml"} <= names
 
 
+def base_config(path: Path) -> Path | None:
+    """The config an overlay is applied on top of (`# base-config: PATH` in its header), else None."""
+    match = re.search(r"^# base-config: (\S+)$", path.read_text(), re.MULTILINE)
+    return REPO / match.group(1) if match else None
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_config_parses_with_the_cli(path: Path, capsys: pytest.CaptureFixture) -> None:
+    base = base_config(path)
+    configs = ["--config", str(path)] if base is None else ["--config", str(base), "--config", str(path)]
     with pytest.raises(SystemExit) as exc:
-        lightning_main(["fit", "--config", str(path), "--print_config"])
+        lightning_main(["fit", *configs, "--print_config"])
     out = capsys.readouterr()
     assert exc.value.code == 0, out.err[-3000:]
     resolved = yaml.safe_load(out.out)
     assert resolved["model"]["class_path"] == "jetflow_pl.training.module.DistillationModule"
     assert resolved["data"]["class_path"] == "jetflow_pl.training.data.DistillDataModule"
+    if base is not None:  # the overlay's own values win over its base's
+        overlay = yaml.safe_load(path.read_text())
+        for key, value in overlay.get("model", {}).get("init_args", {}).items():
+            assert resolved["model"]["init_args"][key] == value, key
+        assert resolved["trainer"]["default_root_dir"] == overlay["trainer"]["default_root_dir"]
 
 
 def test_gpu_templates_bf16_ddp_fsdp_multinode() -> None:
