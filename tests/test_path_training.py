@@ -18,7 +18,7 @@ from jetflow_pl.target import TargetModel
 from jetflow_pl.training import distill_step, prepare_blocks
 from jetflow_pl.training.masks import path_block_masks
 from jetflow_pl.training.module import DistillationModule
-from jetflow_pl.training.step import target_packing_mask
+from jetflow_pl.training.step import target_features
 from jetflow_pl.tree import DraftTree
 
 MASK_ID = TINY_VOCAB - 1
@@ -83,19 +83,12 @@ def test_path_blocks_equal_the_refine_pass_on_the_true_path(target, packed):
         path_fraction=1.0,
     )
     assert bb.block_len == 2 * bs - 2 and bool(bb.is_path.all())
+    taps, _ = target_features(target, ids, doc_ids, bb.context_positions)  # the training step's own
     with torch.no_grad():
-        out = target(
-            ids,
-            position_ids=bb.context_positions if packed else None,
-            attention_mask=target_packing_mask(doc_ids, target.dtype) if packed else None,
-            logits_positions=None,
-            return_hidden=True,
-            use_cache=False,
-        )
         hidden = head(
             target.embed_tokens(bb.block_ids),
             bb.block_positions,
-            context=out.taps,
+            context=taps,
             context_positions=bb.context_positions,
             attn_mask=bb.attn_mask,
         )
