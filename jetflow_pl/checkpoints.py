@@ -78,8 +78,17 @@ def load_draft_head(path: str | Path):
     if not (path / "config.json").is_file():
         raise UserInputError(f"draft head folder {path} has no config.json")
     try:
-        return DraftHead.from_pretrained(path, use_safetensors=True, local_files_only=True)
+        head, info = DraftHead.from_pretrained(
+            path, use_safetensors=True, local_files_only=True, output_loading_info=True
+        )
     except (OSError, ValueError, KeyError, TypeError) as err:
         if isinstance(err, UserInputError):
             raise
         raise CheckpointError(f"cannot load the draft head from {path}: {type(err).__name__}: {err}") from err
+    if "draft_vocab" in set(info.get("missing_keys") or ()):
+        # from_pretrained would leave the buffer uninitialised: the head would draft from garbage ids
+        raise CheckpointError(
+            f"{path}/config.json says draft_vocab_size={head.config.draft_vocab_size}, but its weights hold "
+            "no draft_vocab (write the head with `python -m jetflow_pl draft-vocab` or set_draft_vocab)"
+        )
+    return head

@@ -74,6 +74,8 @@ class DraftHeadConfig(Qwen3Config):
       False = DFlash bidirectional), `target_layer_ids` (list[int], 0-based target decoder layers whose
       outputs are tapped, in concatenation order), `mask_token_id` (int | None), `target_hidden_size`
       (int, defaults to `hidden_size`).
+    - `draft_vocab_size` (int, default 0): the head drafts only from this many target token ids, held in
+      its `draft_vocab` buffer (`jetflow_pl.head.draft_vocab`); 0 = the full vocabulary.
 
     Missing `dflash_config` keys are filled in `__post_init__`; `target_layer_ids` defaults to
     `default_target_layer_ids(num_target_layers, num_hidden_layers)` when `num_target_layers` is known,
@@ -85,6 +87,7 @@ class DraftHeadConfig(Qwen3Config):
     block_size: int = 16
     num_target_layers: int | None = None
     dflash_config: dict | None = None
+    draft_vocab_size: int = 0
 
     def __post_init__(self, **kwargs):
         dflash = dict(self.dflash_config or {})

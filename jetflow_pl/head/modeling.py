@@ -200,6 +200,8 @@ class DraftHead(PreTrainedModel):
         self.layers = nn.ModuleList([DraftDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
+        if int(config.draft_vocab_size or 0) > 0:  # filled by from_pretrained / set_draft_vocab
+            self.register_buffer("draft_vocab", torch.zeros(int(config.draft_vocab_size), dtype=torch.long))
         self.gradient_checkpointing = False
         self.post_init()
 

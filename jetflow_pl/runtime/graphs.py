@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from jetflow_pl.head import DraftHead
+from jetflow_pl.head.draft_vocab import draft_vocab_of
 from jetflow_pl.ops.tree_attention import (
     tree_attention,
     tree_attention_reference,
@@ -177,11 +178,24 @@ class DraftHeadGraph(nn.Module):
         super().__init__()
         head.check_compatible(target.config)
         head.match_dtype(target.dtype)
-        if topk < 1 or topk > target.vocab_size:
-            raise ValueError(f"topk must be in [1, {target.vocab_size}], got {topk}")
+        vocab = draft_vocab_of(head)
+        scored = target.vocab_size if vocab is None else int(vocab.numel())
+        if topk < 1 or topk > scored:
+            raise ValueError(f"topk must be in [1, {scored}] (the tokens the head drafts from), got {topk}")
         self.head = head
         self.embed_tokens = target.embed_tokens
         self.lm_head = target.lm_head
+        self.register_buffer("draft_vocab", None, persistent=False)
+        if vocab is not None:  # the draft vocabulary's rows of the lm_head, baked into the graph
+            rows = vocab.to(target.lm_head.weight.device)
+            self.lm_head = nn.Linear(target.hidden_size, scored, bias=target.lm_head.bias is not None)
+            self.lm_head.to(target.lm_head.weight.device, target.lm_head.weight.dtype)
+            with torch.no_grad():
+                self.lm_head.weight.copy_(target.lm_head.weight.index_select(0, rows))
+                if target.lm_head.bias is not None:
+                    self.lm_head.bias.copy_(target.lm_head.bias.index_select(0, rows))
+            self.lm_head.requires_grad_(False)
+            self.draft_vocab = rows
         self.topk = int(topk)
         self.attend = attention_for(variant)
         first = head.layers[0].self_attn
@@ -245,6 +259,8 @@ class DraftHeadGraph(nn.Module):
             presents_v.append(pv)
         logprobs = torch.log_softmax(self.lm_head(head.norm(x)).float(), dim=-1)
         values, ids = torch.topk(logprobs, self.topk, dim=-1)
+        if self.draft_vocab is not None:  # draft-vocabulary columns -> target token ids
+            ids = self.draft_vocab[ids]
         return values, ids, torch.stack(presents_k), torch.stack(presents_v)
 
 
@@ -316,5 +332,6 @@ def pair_config(head: DraftHead, target: TargetModel, topk: int) -> dict[str, An
             "head_dim": int(attn.head_dim),
             "hidden_size": int(head.config.hidden_size),
             "tap_features": int(head.config.num_taps * head.config.target_hidden_size),
+            "draft_vocab_size": int(getattr(head.config, "draft_vocab_size", 0) or 0),
         },
     }

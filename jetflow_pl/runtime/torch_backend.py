@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from jetflow_pl.head import DraftHead
+from jetflow_pl.head.draft_vocab import DraftLMHead
 from jetflow_pl.runtime.backend import DEFAULT_MAX_BATCH
 from jetflow_pl.runtime.kv_store import HeadCacheStore, HFCacheStore, KVGroup
 from jetflow_pl.runtime.sequence import HeadStep, SequenceBackend, TargetStep
@@ -65,6 +66,7 @@ class TorchBackend(SequenceBackend):
             self._mask_token_id = int(head.config.dflash_config["mask_token_id"])
             head.eval()
             head_kv = HeadCacheStore(head, num_slots=max_batch)
+            self.draft_lm = DraftLMHead(target, head)
         super().__init__(HFCacheStore(target.config, num_slots=max_batch), head_kv, device=target.device)
 
     # ------------------------------------------------------------------ what the runtime states
@@ -121,8 +123,7 @@ class TorchBackend(SequenceBackend):
             cache=cache,
             attn_mask=mask,
         )
-        logits = self.target.few_row_logits(hidden[:, 1:])
-        return torch.log_softmax(logits.float(), dim=-1), None
+        return self.draft_lm.dense_logprobs(hidden[:, 1:]), None
 
     def _head_mask(self, step: HeadStep, padded: int) -> Tensor:
         """bool `[R, Q, P + T + Q]`: a request's cache rows and new context rows (not the padding of
@@ -162,4 +163,4 @@ class TorchBackend(SequenceBackend):
         hidden = self.head(
             self.target.embed_tokens(ids), positions, cache=self.head_kv.cache(), in_block=mask
         )
-        return torch.log_softmax(self.target.few_row_logits(hidden[0, n:]).float(), dim=-1)
+        return self.draft_lm.dense_logprobs(hidden[0, n:])

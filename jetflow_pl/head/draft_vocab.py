@@ -1,0 +1,171 @@
+"""A draft vocabulary: the head drafts from the most frequent target tokens only (FR-Spec's idea).
+
+Why: the draft's cost on a small target is mostly the target's lm_head applied to every draft depth.
+SmolLM2-135M's lm_head is 49,152 x 576; over 15 depths it costs about 0.4 target steps per round at batch
+1 on a CPU, and at batch 16 (240 rows) more than one whole AR step. A head that scores only the `Vd` most
+frequent tokens of its training responses pays `Vd / V` of that. Tokens outside the set are never
+drafted, which costs acceptance only where the target would emit a rare token; the target still verifies
+every node over its full vocabulary, so decoding stays exactly the target's (lossless, greedy and
+sampled: the draft distribution simply has zero mass outside the set).
+
+The set is stored with the head: `config.draft_vocab_size` and a persistent `int64` buffer
+`draft_vocab` (sorted target ids) in `model.safetensors`. A head without it drafts over the full vocab.
+Every backend applies it through `DraftLMHead` (torch) or the same rows baked into the exported head
+graph (`runtime.graphs.DraftHeadGraph`), so there is one definition of what the draft scores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+#: name of the head's buffer holding the draft vocabulary (sorted target token ids)
+BUFFER = "draft_vocab"
+
+
+def count_tokens(sequences: Iterable[Sequence[int]], vocab_size: int) -> Tensor:
+    """`int64 [vocab_size]`: how often each id occurs in `sequences` (ids outside the vocab are refused)."""
+    counts = torch.zeros(int(vocab_size), dtype=torch.int64)
+    for seq in sequences:
+        ids = torch.as_tensor(list(seq), dtype=torch.int64)
+        if ids.numel() == 0:
+            continue
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+            raise ValueError(f"token id out of range for a vocabulary of {vocab_size}")
+        counts += torch.bincount(ids, minlength=vocab_size)
+    return counts
+
+
+def select_draft_vocab(counts: Tensor, size: int, keep: Iterable[int] = ()) -> Tensor:
+    """The `size` most frequent ids (ties: lower id first), always including `keep` (e.g. EOS), sorted.
+
+    Deterministic: the same counts give the same set on every machine.
+    """
+    counts = torch.as_tensor(counts, dtype=torch.int64).reshape(-1)
+    v = int(counts.numel())
+    keep_ids = sorted({int(k) for k in keep})
+    if any(k < 0 or k >= v for k in keep_ids):
+        raise ValueError(f"keep ids must lie in [0, {v})")
+    if not len(keep_ids) <= size <= v:
+        raise ValueError(f"draft vocab size must be in [{max(1, len(keep_ids))}, {v}], got {size}")
+    # stable sort by descending count: equal counts keep ascending id order
+    order = torch.sort(-counts, stable=True).indices
+    chosen = set(keep_ids)
+    for i in order.tolist():
+        if len(chosen) >= size:
+            break
+        chosen.add(int(i))
+    return torch.tensor(sorted(chosen), dtype=torch.int64)
+
+
+def coverage(counts: Tensor, vocab: Tensor) -> float:
+    """Share of the counted tokens that lie in `vocab` (how often the draft *could* name the target's token)."""
+    total = int(counts.sum())
+    return float(counts[vocab].sum()) / total if total else 0.0
+
+
+def validate_draft_vocab(vocab: Tensor, vocab_size: int) -> Tensor:
+    """`vocab` as a sorted, unique int64 vector of ids in `[0, vocab_size)`; else a clear error."""
+    ids = torch.as_tensor(vocab).reshape(-1)
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"a draft vocabulary holds integer token ids, got {ids.dtype}")
+    ids = ids.to(torch.int64)
+    if ids.numel() == 0:
+        raise ValueError("a draft vocabulary needs at least one token id")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(f"draft vocabulary ids must lie in [0, {vocab_size})")
+    if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        raise ValueError("draft vocabulary ids must be sorted and unique")
+    return ids
+
+
+def set_draft_vocab(head: nn.Module, vocab: Tensor | None) -> nn.Module:
+    """Give `head` (a `DraftHead`) the draft vocabulary `vocab` (None: the full vocabulary). In place."""
+    config = head.config  # type: ignore[attr-defined]
+    if vocab is None:
+        if BUFFER in head._buffers:
+            del head._buffers[BUFFER]
+        config.draft_vocab_size = 0
+        return head
+    ids = validate_draft_vocab(vocab, int(config.vocab_size))
+    device = next(head.parameters()).device
+    head.register_buffer(BUFFER, ids.to(device), persistent=True)
+    config.draft_vocab_size = int(ids.numel())
+    return head
+
+
+def draft_vocab_of(head: nn.Module | None) -> Tensor | None:
+    """The head's draft vocabulary (sorted ids), or None when it drafts over the full vocabulary."""
+    if head is None or not int(getattr(head.config, "draft_vocab_size", 0) or 0):  # type: ignore[union-attr]
+        return None
+    vocab = head._buffers.get(BUFFER)
+    if vocab is None or int(vocab.numel()) != int(head.config.draft_vocab_size):  # type: ignore[union-attr]
+        raise ValueError(
+            f"the head's config says draft_vocab_size={head.config.draft_vocab_size} "  # type: ignore[union-attr]
+            f"but its weights hold {0 if vocab is None else int(vocab.numel())} draft vocabulary ids"
+        )
+    return vocab
+
+
+class DraftLMHead:
+    """The lm_head the draft scores with: the target's, restricted to the head's draft vocabulary.
+
+    `dense_logprobs(h)` is float32 `[..., V]` log-probs over the draft vocabulary, `-inf` elsewhere:
+    what the tree builder and the acceptance rules read. Built once per backend: the rows are copied out
+    of the frozen target's lm_head at construction (Vd x H, e.g. 19 MB for 8,192 rows of SmolLM2's).
+    Without a draft vocabulary it is the target's own `few_row_logits` over the full vocabulary.
+    """
+
+    def __init__(self, target: nn.Module, head: nn.Module | None) -> None:
+        lm_head: nn.Linear = target.lm_head  # type: ignore[assignment]
+        self.vocab_size = int(lm_head.out_features)
+        self._target = target  # looked up per call: benches swap its product form
+        vocab = draft_vocab_of(head)
+        self.vocab: Tensor | None = None
+        if vocab is None:
+            return
+        ids = validate_draft_vocab(vocab, self.vocab_size).to(lm_head.weight.device)
+        self.vocab = ids
+        self.weight = lm_head.weight.detach().index_select(0, ids).contiguous()
+        self.bias = None if lm_head.bias is None else lm_head.bias.detach().index_select(0, ids)
+
+    @property
+    def restricted(self) -> bool:
+        return self.vocab is not None
+
+    def dense_logprobs(self, hidden: Tensor) -> Tensor:
+        """float32 `[..., V]` log-probs of the draft over the draft vocabulary (`-inf` outside it)."""
+        if self.vocab is None:
+            return torch.log_softmax(self._target.few_row_logits(hidden).float(), dim=-1)  # type: ignore[attr-defined]
+        sub = nn.functional.linear(hidden.to(self.weight.dtype), self.weight, self.bias)
+        sub = torch.log_softmax(sub.float(), dim=-1)
+        out = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
+        return out.index_copy_(-1, self.vocab, sub)
+
+
+def load_token_sequences(path: str | Path) -> tuple[list[list[int]], int]:
+    """Response token ids of a regenerated dataset (`datasets.load_from_disk` folder, or a folder of
+    parquet shards) with `input_ids` / `loss_mask` columns: the tokens the head learns to draft.
+    Returns (sequences, number of rows)."""
+    import datasets
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no dataset at {path}")
+    if (path / "dataset_info.json").exists() or (path / "state.json").exists():
+        ds = datasets.load_from_disk(str(path))
+    else:
+        files = sorted(str(p) for p in path.rglob("*.parquet"))
+        if not files:
+            raise FileNotFoundError(f"{path} holds neither a saved dataset nor parquet shards")
+        ds = datasets.load_dataset("parquet", data_files=files, split="train")
+    missing = {"input_ids", "loss_mask"} - set(ds.column_names)
+    if missing:
+        raise ValueError(f"{path}: the dataset lacks column(s) {sorted(missing)} (regenerated-data schema)")
+    seqs = []
+    for row in ds.select_columns(["input_ids", "loss_mask"]):
+        seqs.append([t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m])
+    return seqs, len(ds)
