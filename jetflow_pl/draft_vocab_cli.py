@@ -73,12 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         head = load_draft_head(args.head)
         vocab_size = int(head.config.vocab_size)
-        sequences: list[list[int]] = []
-        rows = 0
-        for path in args.data:
-            seqs, n = load_token_sequences(path)
-            sequences += seqs
-            rows += n
+        sequences = [seq for path in args.data for seq in load_token_sequences(path)]
+        rows = len(sequences)
         counts = count_tokens(sequences, vocab_size)
         if int(counts.sum()) == 0:
             raise UserInputError(f"no response tokens in {', '.join(map(str, args.data))}")

@@ -110,6 +110,19 @@ def draft_vocab_of(head: nn.Module | None) -> Tensor | None:
     return vocab
 
 
+def restricted_lm_head(lm_head: nn.Linear, vocab: Tensor) -> nn.Linear:
+    """A frozen copy of `lm_head`'s rows `vocab` (its outputs are in `vocab` order): what the draft scores
+    with under a draft vocabulary, eagerly (`DraftLMHead`) and in the exported head graph."""
+    ids = validate_draft_vocab(vocab, int(lm_head.out_features)).to(lm_head.weight.device)
+    sub = nn.Linear(lm_head.in_features, int(ids.numel()), bias=lm_head.bias is not None)
+    sub.to(lm_head.weight.device, lm_head.weight.dtype)
+    with torch.no_grad():
+        sub.weight.copy_(lm_head.weight.index_select(0, ids))
+        if lm_head.bias is not None:
+            sub.bias.copy_(lm_head.bias.index_select(0, ids))
+    return sub.requires_grad_(False)
+
+
 class DraftLMHead:
     """The lm_head the draft scores with: the target's, restricted to the head's draft vocabulary.
 
@@ -124,32 +137,22 @@ class DraftLMHead:
         self.vocab_size = int(lm_head.out_features)
         self._target = target  # looked up per call: benches swap its product form
         vocab = draft_vocab_of(head)
-        self.vocab: Tensor | None = None
-        if vocab is None:
-            return
-        ids = validate_draft_vocab(vocab, self.vocab_size).to(lm_head.weight.device)
-        self.vocab = ids
-        self.weight = lm_head.weight.detach().index_select(0, ids).contiguous()
-        self.bias = None if lm_head.bias is None else lm_head.bias.detach().index_select(0, ids)
-
-    @property
-    def restricted(self) -> bool:
-        return self.vocab is not None
+        self.vocab = None if vocab is None else vocab.to(lm_head.weight.device)
+        self.lm_head = None if vocab is None else restricted_lm_head(lm_head, vocab)
 
     def dense_logprobs(self, hidden: Tensor) -> Tensor:
         """float32 `[..., V]` log-probs of the draft over the draft vocabulary (`-inf` outside it)."""
-        if self.vocab is None:
+        if self.lm_head is None:
             return torch.log_softmax(self._target.few_row_logits(hidden).float(), dim=-1)  # type: ignore[attr-defined]
-        sub = nn.functional.linear(hidden.to(self.weight.dtype), self.weight, self.bias)
-        sub = torch.log_softmax(sub.float(), dim=-1)
+        sub = torch.log_softmax(self.lm_head(hidden.to(self.lm_head.weight.dtype)).float(), dim=-1)
         out = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
         return out.index_copy_(-1, self.vocab, sub)
 
 
-def load_token_sequences(path: str | Path) -> tuple[list[list[int]], int]:
+def load_token_sequences(path: str | Path) -> list[list[int]]:
     """Response token ids of a regenerated dataset (`datasets.load_from_disk` folder, or a folder of
-    parquet shards) with `input_ids` / `loss_mask` columns: the tokens the head learns to draft.
-    Returns (sequences, number of rows)."""
+    parquet shards) with `input_ids` / `loss_mask` columns, one list per row: the tokens the head
+    learns to draft."""
     import datasets
 
     path = Path(path)
@@ -168,4 +171,4 @@ def load_token_sequences(path: str | Path) -> tuple[list[list[int]], int]:
     seqs = []
     for row in ds.select_columns(["input_ids", "loss_mask"]):
         seqs.append([t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m])
-    return seqs, len(ds)
+    return seqs

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from jetflow_pl.head import DraftHead
-from jetflow_pl.head.draft_vocab import draft_vocab_of
+from jetflow_pl.head.draft_vocab import draft_vocab_of, restricted_lm_head
 from jetflow_pl.ops.tree_attention import (
     tree_attention,
     tree_attention_reference,
@@ -187,15 +187,8 @@ class DraftHeadGraph(nn.Module):
         self.lm_head = target.lm_head
         self.register_buffer("draft_vocab", None, persistent=False)
         if vocab is not None:  # the draft vocabulary's rows of the lm_head, baked into the graph
-            rows = vocab.to(target.lm_head.weight.device)
-            self.lm_head = nn.Linear(target.hidden_size, scored, bias=target.lm_head.bias is not None)
-            self.lm_head.to(target.lm_head.weight.device, target.lm_head.weight.dtype)
-            with torch.no_grad():
-                self.lm_head.weight.copy_(target.lm_head.weight.index_select(0, rows))
-                if target.lm_head.bias is not None:
-                    self.lm_head.bias.copy_(target.lm_head.bias.index_select(0, rows))
-            self.lm_head.requires_grad_(False)
-            self.draft_vocab = rows
+            self.lm_head = restricted_lm_head(target.lm_head, vocab)
+            self.draft_vocab = vocab.to(target.lm_head.weight.device)
         self.topk = int(topk)
         self.attend = attention_for(variant)
         first = head.layers[0].self_attn
