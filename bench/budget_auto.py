@@ -231,6 +231,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         row = {**stats, **speed(stats)}
         row["budgets_played"] = {str(k): n for k, n in sorted(Counter(budgets).items())}
         row["predicted_speedup_vs_ar"] = pol.predicted_speedup(budgets, lengths)
+        # what the clock check saw at the end (observed/profiled seconds per budget, the costs it used):
+        # where auto played budgets the fixed rows show to lose, this says whether its costs were off
+        row["clock_check"] = pol.timing_report()
         row["best_fixed_budget"] = int(best_k)
         row["best_fixed_speedup_vs_ar"] = fixed[best_k]["speedup_vs_ar"]
         row["fraction_of_best_fixed"] = (

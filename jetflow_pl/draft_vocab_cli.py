@@ -6,7 +6,7 @@ that drafts from those only (`jetflow_pl.head.draft_vocab`). Training-free and l
 still verifies over its full vocabulary. Prints the coverage (share of the counted tokens inside the
 set); `draft_vocab.json` beside the new head records it with the sources.
 
-    python -m jetflow_pl draft-vocab --head heads/smollm2-135m-instruct \
+    python -m jetflow_pl draft-vocab --head heads/smollm2-135m-instruct \\
         --data runs/regenerate/smollm2/dataset --size 8192 --out runs/heads/smollm2-vd8192
 """
 

@@ -141,6 +141,31 @@ def test_ar_checks_follow_load_that_changes_mid_session():
     assert quiet[-100:].count(best) >= 90, quiet
 
 
+def test_slow_ar_rounds_never_make_trees_cheaper_than_the_profile():
+    """The clock ratio divides tree times by AR times taken at other moments. Here the profile is right
+    (a budget-2 round costs 3.3 AR steps against tau 3: AR is the right choice), tree rounds (probes) are
+    timed at their profile cost, then a spike makes 5 AR rounds 1.5x slow, then all is quiet again. Were
+    the ratio allowed below 1, the spike's AR times against the quiet tree times would put budget 2 at
+    3.3 / 1.5 = 2.2 AR steps (speed 1.36), the policy would speculate at a real 0.91x, and the window of AR
+    times would only be flushed by AR check rounds whose intervals double (what happened on SmolLM2: 50
+    rounds of budget 8 at 0.73x AR). The clock may only raise costs."""
+    prof = profile(slope=0.5, draft=1.3)  # cost(k) = 2.3 + k/2
+    assert prof.cost(2) == pytest.approx(3.3)
+    pol = started(AutoBudget(prof, prior(), explore_every=10**6, probe_every=4))
+    assert pol.best() == 0
+    run_rounds(pol, lambda k: prof.cost(k), 40)  # probes time trees at their profile cost
+    timed = pol.timing_report()["1"]
+    assert any(k != "0" for k in timed), timed
+    spike = run_rounds(pol, lambda k: 1.5 if k == 0 else prof.cost(k), 5)
+    assert spike.count(0) >= 4, spike  # AR rounds timed slow
+    quiet = run_rounds(pol, lambda k: prof.cost(k), 200)
+    for k in pol.candidates:
+        assert pol.round_cost(k) >= prof.cost(k) - 1e-9, k
+    # what drafts now is the probe schedule alone (intervals doubling from 4), never a chosen budget
+    assert sum(1 for k in quiet if k) <= 1 + (245 // 4).bit_length(), quiet
+    assert pol.best() == 0
+
+
 def test_each_batch_size_is_checked_on_its_own():
     """Batch 4 is really dear (the profile put it at GPU-like costs), batch 1 is as profiled: auto goes to
     AR at 4 and keeps speculating alone."""

@@ -53,7 +53,8 @@ build, verify, acceptance and commit, what the profile's cost covers), and the p
 with one measured row, so a batch draining from 16 to 9 requests is learned once). Once `timing_samples`
 AR rounds and tree rounds were timed in a bucket, a budget's cost is the profile's times its rounds' ratio
 over AR's (lower medians: robust to the slow first call of a new shape; a budget timed fewer times takes
-the ratio of every tree round in the bucket). AR times come from AR check rounds: while speculating in a
+the ratio of every tree round in the bucket), where that ratio is above 1: the clock raises costs, never
+lowers them below the profile's (`round_cost` says why). AR times come from AR check rounds: while speculating in a
 bucket whose AR time is unknown or stale, one round in `check_every` (doubling while the checks change
 nothing, up to `max_check_every`) is played as AR. A wrong profile then costs a few rounds, not a session: the
 choice moves to a smaller budget or to AR as soon as the clock disagrees with it. Times expire after
@@ -445,7 +446,14 @@ class AutoBudget:
         """Cost of a round at `budget` for `batch` requests in (batched) AR steps: the profile's, corrected
         by the clock (module doc) once AR and tree rounds were timed in this batch size's bucket: the
         profile's cost times (observed / profiled seconds of this budget's rounds, or of every tree round
-        there while this budget has too few) over (observed / profiled seconds of AR rounds)."""
+        there while this budget has too few) over (observed / profiled seconds of AR rounds), where that
+        ratio exceeds 1. The clock only raises a cost, never lowers it below the profile's: the ratio
+        divides tree times by AR times taken at other moments, and on a shared machine a burst of slow
+        AR rounds makes it fall below 1 with nothing cheaper about the trees (measured: SmolLM2, torch,
+        a burst of AR rounds at 1.3-1.5x their profile made budget 8 look 20% cheaper, and `auto` played
+        it for 50 rounds at 0.73x AR). Speculating on a cost lower than the profile's would risk being
+        slower than AR on evidence that noise produces; a profile that is too dear is fixed by measuring
+        it again, not by the clock."""
         assert self.cost is not None, "call start(backend) first"
         profiled = self.cost.cost(budget, batch)
         if budget == 0 or not self.check_costs:
@@ -455,7 +463,7 @@ class AutoBudget:
         tree = self._error(bucket, budget)
         if tree is None:
             tree = self._error(bucket, None)
-        return profiled if ar is None or tree is None else profiled * tree / ar
+        return profiled if ar is None or tree is None else profiled * max(1.0, tree / ar)
 
     def _bucket(self, batch: int) -> int:
         """The batch sizes whose times are pooled: those the profile costs with the same measured row
