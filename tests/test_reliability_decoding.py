@@ -13,7 +13,7 @@ from conftest import TINY_VOCAB
 from transformers import AutoModelForCausalLM
 
 from jetflow_pl.decoding import ARGenerator, SamplingConfig, SpeculativeGenerator
-from jetflow_pl.errors import NumericalError, UserInputError
+from jetflow_pl.errors import NumericalError, UserInputError, check_finite
 from jetflow_pl.head import DraftHead, DraftHeadConfig
 from jetflow_pl.runtime.backend import DEFAULT_MAX_BUDGET
 from jetflow_pl.runtime.torch_backend import TorchBackend
@@ -193,6 +193,27 @@ def _blow_up(head: DraftHead, scale: float) -> DraftHead:
             layer.mlp.up_proj.weight.mul_(scale)
             layer.mlp.gate_proj.weight.mul_(scale)
     return head
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_check_finite_flags_nan_and_plus_inf_anywhere_and_passes_minus_inf(dtype):
+    """The one-reduction check (the maximum) against the element-wise definition, at every position of
+    a `[5, 64]` block: NaN or +inf anywhere is refused; -inf (masked log-probs, a draft vocabulary's
+    ids outside it) is not, even where a whole row or the whole tensor is -inf; an empty tensor passes."""
+    base = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
+    check_finite(base, "m", "here", "advice")
+    for value in (float("nan"), float("inf")):
+        for i in range(base.numel()):
+            x = base.clone().view(-1)
+            x[i] = value
+            with pytest.raises(NumericalError, match="m produced NaN/inf here: advice"):
+                check_finite(x.view(5, 64), "m", "here", "advice")
+    masked = base.clone()
+    masked[2] = float("-inf")
+    masked[:, 7] = float("-inf")
+    check_finite(masked, "m", "here", "advice")
+    check_finite(torch.full((3, 4), float("-inf"), dtype=dtype), "m", "here", "advice")
+    check_finite(torch.empty(0, 64, dtype=dtype), "m", "here", "advice")
 
 
 @pytest.mark.parametrize(("dtype", "scale"), [(torch.float16, 1e3), (torch.bfloat16, 1e25)])
