@@ -105,7 +105,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--acceptance-profile", type=Path, default=None)
     p.add_argument("--write-acceptance-profile", type=Path, default=None, help="save the calibrated prior")
     p.add_argument("--skip-hf", action="store_true", help="no HF generate() baseline")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads, and ONNX Runtime's intra-op threads on that backend (default: each one's own)",
+    )
     p.add_argument("--out", type=Path, default=REPO / "bench/results/budget_auto_toy.json")
     args = p.parse_args(argv)
     if args.threads:
@@ -116,7 +121,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     eos = tokenizer.eos_token_id
     chat = not args.no_chat_template
     prompts = read_prompts(args.prompts, tokenizer, args.n_prompts, chat)
-    ns = argparse.Namespace(backend=args.backend, width=args.width, engine_dir=args.engine_dir, device="cpu")
+    ns = argparse.Namespace(
+        backend=args.backend,
+        width=args.width,
+        engine_dir=args.engine_dir,
+        device="cpu",
+        intra_op_threads=args.threads,
+    )
     backend, ar_backend = _backends(ns, target, head)  # the generate CLI's: AR on the same backend kind
 
     t0 = time.perf_counter()

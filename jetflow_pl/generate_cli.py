@@ -214,6 +214,7 @@ def _backends(args: argparse.Namespace, target: TargetModel, head: DraftHead):
         engine_dir=args.engine_dir,
         device=args.device,
         topk=max(8, args.width),
+        intra_op_threads=getattr(args, "intra_op_threads", None),
     )
     try:
         backend.check_width(args.width)

@@ -209,3 +209,22 @@ def test_fingerprint_tells_batched_graphs_from_batch_1_graphs():
     one, many = fingerprint(Engine(False)), fingerprint(Engine(True))
     assert one["backend"].endswith("Engine/portable") and many["backend"].endswith("Engine/portable+batched")
     assert cache_file(one, Path("c")) != cache_file(many, Path("c"))
+
+
+def test_fingerprint_tells_onnx_runtime_thread_pools_apart():
+    """ONNX Runtime keeps its own intra-op pool, which torch's thread count does not describe: on this
+    project's 2-core machine a 2-thread pool made SmolLM2 tree rounds 1.3x dearer than a 1-thread pool.
+    A profile measured with one pool size is never reused for another; the default pool (None) keeps the
+    fingerprint it had before pool sizes were recorded."""
+
+    class Engine:
+        def __init__(self, threads: int | None) -> None:
+            self.config = {"target": {"num_layers": 2}, "head": {"num_layers": 1}, "variant": "portable"}
+            self.device = "cpu"
+            self.intra_op_threads = threads
+
+    default, one, two = (fingerprint(Engine(t)) for t in (None, 1, 2))
+    assert default["backend"].endswith("Engine/portable")
+    assert one["backend"].endswith("Engine/portable+threads=1")
+    assert two["backend"].endswith("Engine/portable+threads=2")
+    assert len({cache_file(f, Path("c")) for f in (default, one, two)}) == 3

@@ -157,6 +157,11 @@ def fingerprint(backend: DecodeBackend) -> dict[str, Any]:
     variant = config.get("variant")
     if config.get("batched"):  # batched graphs run other shapes (padded KV, per-request lengths)
         variant = f"{variant}+batched"
+    # a runtime with its own thread pool (ONNX Runtime) does not follow torch's thread count; an explicit
+    # pool size is part of what was measured (its default, None, keeps the fingerprint as it was)
+    pool = getattr(backend, "intra_op_threads", None)
+    if pool is not None:
+        variant = f"{variant}+threads={pool}" if variant else f"threads={pool}"
     return {
         "cpu": cpu_model(),
         "gpu": gpu,
