@@ -126,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         width=args.width,
         engine_dir=args.engine_dir,
         device="cpu",
-        intra_op_threads=args.threads,
+        threads=args.threads,
     )
     backend, ar_backend = _backends(ns, target, head)  # the generate CLI's: AR on the same backend kind
 

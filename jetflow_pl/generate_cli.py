@@ -124,6 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default="cpu")
     p.add_argument(
+        "--threads",
+        type=_int_at_least(1),
+        default=None,
+        help="CPU threads: torch's and ONNX Runtime's intra-op pool (default: each one's own; on a small "
+        "CPU one ORT thread can make tree rounds cheaper, docs/DISTILLATION.md)",
+    )
+    p.add_argument(
         "--backend",
         choices=[*BACKEND_KINDS, "graph"],
         default="torch",
@@ -172,6 +179,8 @@ def _hf_decode_tokens_per_s(model, ids: list[int], max_new: int, eos) -> tuple[l
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse flags (bad flags exit 2 naming the flag) and run; user and numerical errors are one line."""
     args = build_parser().parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     try:
         return _run(args)
     except UserInputError as err:
@@ -214,7 +223,7 @@ def _backends(args: argparse.Namespace, target: TargetModel, head: DraftHead):
         engine_dir=args.engine_dir,
         device=args.device,
         topk=max(8, args.width),
-        intra_op_threads=getattr(args, "intra_op_threads", None),
+        intra_op_threads=getattr(args, "threads", None),
     )
     try:
         backend.check_width(args.width)
