@@ -49,6 +49,18 @@ def _int_at_least(lo: int):
     return parse
 
 
+def add_threads_argument(p: argparse.ArgumentParser) -> None:
+    """`--threads N` (generate and serve): torch's threads and ONNX Runtime's intra-op pool, which keeps
+    its own size whatever torch's is; `_backends` / the server pass it to `load_backend`."""
+    p.add_argument(
+        "--threads",
+        type=_int_at_least(1),
+        default=None,
+        help="CPU threads: torch's and ONNX Runtime's intra-op pool (default: each one's own; on a small "
+        "CPU one ORT thread can make tree rounds cheaper, docs/DISTILLATION.md)",
+    )
+
+
 def _budget(text: str) -> int | str:
     """An argparse type: `auto` or an int >= 0 (the messages name the flag, as `_int_at_least`'s do)."""
     if text.strip().lower() == "auto":
@@ -123,13 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default="cpu")
-    p.add_argument(
-        "--threads",
-        type=_int_at_least(1),
-        default=None,
-        help="CPU threads: torch's and ONNX Runtime's intra-op pool (default: each one's own; on a small "
-        "CPU one ORT thread can make tree rounds cheaper, docs/DISTILLATION.md)",
-    )
+    add_threads_argument(p)
     p.add_argument(
         "--backend",
         choices=[*BACKEND_KINDS, "graph"],

@@ -424,7 +424,7 @@ def test_the_shipped_head_drafts_from_its_vocabulary_and_decodes_as_hf_generate(
     (tau ~1.0, what a random head gets), while this head measures ~2.0 at budget 16 on held-out math
     (docs/DISTILLATION.md); 1.2 leaves room for three short answers without passing a broken head."""
     from jetflow_pl.checkpoints import load_draft_head
-    from jetflow_pl.head.draft_vocab import DraftLMHead, draft_vocab_of
+    from jetflow_pl.head.draft_vocab import draft_vocab_of
 
     tok, _, hf = smollm2
     target = TargetModel.from_pretrained(smollm2_dir)
@@ -434,7 +434,7 @@ def test_the_shipped_head_drafts_from_its_vocabulary_and_decodes_as_hf_generate(
     assert bool((vocab[1:] > vocab[:-1]).all()) and tok.eos_token_id in vocab.tolist()
     backend = TorchBackend(target, head)
     hidden = torch.randn(1, 3, target.hidden_size, generator=torch.Generator().manual_seed(0))
-    finite = torch.isfinite(DraftLMHead(target, head).dense_logprobs(hidden))
+    finite = torch.isfinite(backend.draft_lm.dense_logprobs(hidden))  # what the decode loop drafts with
     assert torch.equal(finite.nonzero()[:, -1].unique(), vocab)
     eos = tok.eos_token_id
     rows = [json.loads(line) for line in HELDOUT_MATH.read_text().splitlines()[:3]]

@@ -22,6 +22,7 @@ from jetflow_pl.generate_cli import (
     _check_device,
     _int_at_least,
     _load_tokenizer,
+    add_threads_argument,
     load_head_or_untrained,
 )
 
@@ -45,12 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine-dir", type=Path, default=None, help="engine directory (written by jetflow-export)"
     )
     p.add_argument("--device", default="cpu")
-    p.add_argument(
-        "--threads",
-        type=_int_at_least(1),
-        default=None,
-        help="CPU threads of the forwards: torch's and ONNX Runtime's intra-op threads (default: theirs)",
-    )
+    add_threads_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 to serve other machines)")
     p.add_argument("--port", type=_int_at_least(0), default=8000)
     p.add_argument(
