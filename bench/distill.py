@@ -3,6 +3,7 @@
     python bench/distill.py step    [--threads 1] [--out bench/results/distill.json]
     python bench/distill.py compare --heads NAME=RUN_DIR ... [--out bench/results/distill_compare.json]
     python bench/distill.py cached  --name NAME --target DIR [--dataset DIR] [--out bench/results/distill_cached.json]
+    python bench/distill.py vocab   [--target DIR --head HEAD] [--out bench/results/distill_vocab.json]
 
 `step` measures, on one machine and one batch:
 
@@ -29,6 +30,9 @@ the timed steps add over the set-up process); (4) what float16 / bfloat16 storag
 teacher distribution and the loss/grads against float32 storage of the same features. Without `--dataset`
 it tokenizes `--n-docs` toy training records (prompt + reference response, the target's chat template)
 into a dataset folder of the regeneration schema: it measures speed, not quality.
+
+`vocab` times a cached-path training step over the head's draft vocabulary (`draft_vocab` of
+`DistillationModule`) against one over the full vocabulary, alternating on the same batches (`bench_vocab`).
 
 `compare` runs `bench/decode.py` (real speculative decoding, greedy, tau = tokens per target verify
 forward) for each trained head on held-out toy prompts at several budgets and collects tau per budget
@@ -717,6 +721,97 @@ def bench_cached(args: argparse.Namespace) -> dict:
     return result
 
 
+# ----------------------------------------------------------------------------------------- vocab
+def bench_vocab(args: argparse.Namespace) -> dict:
+    """A training step over the draft vocabulary against one over the full vocabulary, same process.
+
+    The shipped config's shapes: the head of `--head` (its layers, taps and draft vocabulary), batches of
+    whole toy documents in the target's chat format, bf16 autocast as `precision: bf16-mixed`, the
+    target's features computed once per batch and fed to both steps as a teacher cache feeds them.
+    Steps alternate full / draft on the same batch and anchors, so a load change hits both alike. Also
+    reports the teacher's probability mass outside the set on those loss rows: what the restricted loss
+    leaves out of the teacher's distribution.
+    """
+    torch.set_num_threads(args.threads)
+    from data_gen.toy.documents import toy_documents
+    from jetflow_pl.head.draft_vocab import draft_vocab_of
+    from jetflow_pl.training.data import pack_documents
+    from jetflow_pl.training.masks import document_positions
+    from jetflow_pl.training.module import DistillationModule
+    from jetflow_pl.training.step import distill_step, target_features
+
+    module = DistillationModule(
+        target_path=str(args.target), init_head_path=str(args.head), draft_vocab=str(args.head),
+        num_anchors=args.num_anchors, chunk_size=args.chunk_size, seed=0,
+    )  # fmt: skip
+    target, head = module.target, module.head.train()
+    vocab = draft_vocab_of(head)
+    docs = toy_documents(args.target, {"math": 3 * args.batch_size, "code": args.batch_size}, seed=0)
+    rows = pack_documents(docs, args.seq_len, pad_token_id=0, split_documents=False)
+    opt = torch.optim.AdamW(head.parameters(), lr=1e-5)
+    n = rows["input_ids"].shape[0] // args.batch_size
+    batches = []
+    for i in range(n):
+        sl = slice(i * args.batch_size, (i + 1) * args.batch_size)
+        ids, lm, doc = rows["input_ids"][sl], rows["loss_mask"][sl], rows["doc_ids"][sl]
+        taps, hidden = target_features(target, ids, doc, document_positions(doc, *ids.shape))
+        batches.append((ids, lm, doc, taps, hidden))
+
+    def step(batch, seed: int, restricted: bool) -> tuple[float, float, dict]:
+        ids, lm, doc, taps, hidden = batch
+        t, c = time.perf_counter(), time.process_time()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = distill_step(
+                target, head, ids, lm, doc, num_anchors=args.num_anchors, chunk_size=args.chunk_size,
+                generator=torch.Generator().manual_seed(seed), taps=taps, teacher_hidden=hidden,
+                draft_vocab=vocab if restricted else None, return_hidden=True,
+            )  # fmt: skip
+        opt.zero_grad(set_to_none=True)
+        out["loss"].backward()
+        opt.step()
+        return time.perf_counter() - t, time.process_time() - c, out
+
+    wall: dict[str, list[float]] = {"full": [], "draft": []}
+    cpu: dict[str, list[float]] = {"full": [], "draft": []}
+    outside, loss_rows = [], []
+    for i in range(args.warmup + args.reps):
+        batch = batches[i % len(batches)]
+        w_f, c_f, out = step(batch, i, restricted=False)
+        w_d, c_d, _ = step(batch, i, restricted=True)
+        if i < args.warmup:
+            continue
+        wall["full"].append(w_f)
+        wall["draft"].append(w_d)
+        cpu["full"].append(c_f)
+        cpu["draft"].append(c_d)
+        loss_rows.append(int(out["num_rows"]))
+        with torch.no_grad():
+            p = torch.softmax(target.lm_head(out["teacher_hidden"].float()).float(), dim=-1)
+            outside.append(float(1.0 - p[:, vocab].sum(-1).mean()))
+    med = statistics.median
+    return {
+        "target": str(args.target),
+        "head": str(args.head),
+        "machine": machine(args.threads),
+        "batch": {"rows": args.batch_size, "seq_len": args.seq_len, "num_anchors": args.num_anchors,
+                  "block_size": head.block_size, "head_layers": head.config.num_hidden_layers,
+                  "chunk_size": args.chunk_size, "loss_rows_per_step": loss_rows,
+                  "vocab": int(target.vocab_size), "draft_vocab": int(vocab.numel())},
+        "reps": args.reps,
+        "warmup": args.warmup,
+        "what": "cached-path training step (head forward, chunked forward-KL, backward, AdamW) under bf16 "
+        "autocast, over the full vocabulary vs the head's draft vocabulary, alternating on the same "
+        "batches and anchors; wall and process CPU seconds",
+        "median_wall_s": {k: med(v) for k, v in wall.items()},
+        "median_cpu_s": {k: med(v) for k, v in cpu.items()},
+        "all_wall_s": wall,
+        "all_cpu_s": cpu,
+        "full_over_draft_wall": med(wall["full"]) / med(wall["draft"]),
+        "full_over_draft_cpu": med(cpu["full"]) / med(cpu["draft"]),
+        "teacher_mass_outside_draft_vocab": {"mean": statistics.mean(outside), "per_step": outside},
+    }  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> dict | None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -755,6 +850,17 @@ def main(argv: list[str] | None = None) -> dict | None:
     k.add_argument("--cache", type=Path, default=None, help="cache folder (default: in --work-dir)")
     k.add_argument("--rss-reps", type=int, default=2, help="timed steps of each peak-RSS process")
     k.add_argument("--out", type=Path, default=REPO / "bench/results/distill_cached.json")
+    v = sub.add_parser("vocab", help="a training step over the draft vocabulary vs the full vocabulary")
+    v.add_argument("--target", type=Path, default=REPO / "models/SmolLM2-135M-Instruct")
+    v.add_argument("--head", type=Path, default=REPO / "heads/smollm2-135m-instruct")
+    v.add_argument("--batch-size", type=int, default=4)
+    v.add_argument("--seq-len", type=int, default=384)
+    v.add_argument("--num-anchors", type=int, default=16)
+    v.add_argument("--chunk-size", type=int, default=1024)
+    v.add_argument("--reps", type=int, default=5)
+    v.add_argument("--warmup", type=int, default=1)
+    v.add_argument("--threads", type=int, default=1)
+    v.add_argument("--out", type=Path, default=REPO / "bench/results/distill_vocab.json")
     m = sub.add_parser("_memory_child")
     m.add_argument("--impl", choices=["naive", "chunked"], required=True)
     for name in ("rows", "hidden", "vocab", "chunk", "threads"):
@@ -797,6 +903,21 @@ def main(argv: list[str] | None = None) -> dict | None:
     torch.set_num_threads(args.threads)
     if args.cmd == "compare":
         result = bench_compare(args)
+    elif args.cmd == "vocab":
+        result = {
+            "command": " ".join(
+                ["python", "bench/distill.py", *(argv if argv is not None else sys.argv[1:])]
+            ),
+            **bench_vocab(args),
+            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        print(
+            f"step over the full vocabulary {result['median_wall_s']['full']:.2f} s wall / "
+            f"{result['median_cpu_s']['full']:.2f} s CPU, over the draft vocabulary "
+            f"{result['median_wall_s']['draft']:.2f} s / {result['median_cpu_s']['draft']:.2f} s "
+            f"({result['full_over_draft_cpu']:.2f}x CPU); teacher mass outside the set "
+            f"{result['teacher_mass_outside_draft_vocab']['mean']:.2e}"
+        )
     elif args.cmd == "cached":
         at_start = machine(args.threads)
         one = bench_cached(args)

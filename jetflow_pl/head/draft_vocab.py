@@ -110,6 +110,34 @@ def draft_vocab_of(head: nn.Module | None) -> Tensor | None:
     return vocab
 
 
+def load_draft_vocab(head_dir: str | Path, vocab_size: int) -> Tensor:
+    """The draft vocabulary saved with the head in `head_dir` (its `draft_vocab` buffer in
+    `model.safetensors`), read without building the head; a clear error when it has none or it does not
+    fit a vocabulary of `vocab_size` ids."""
+    from safetensors import safe_open
+
+    weights = Path(head_dir) / "model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(
+            f"no model.safetensors in {str(head_dir)!r} (a head folder with a draft vocabulary)"
+        )
+    with safe_open(str(weights), framework="pt") as f:
+        if BUFFER not in set(f.keys()):
+            raise ValueError(
+                f"{str(weights)!r} holds no {BUFFER!r}: that head drafts over the full vocabulary "
+                "(give it one with `python -m jetflow_pl draft-vocab`)"
+            )
+        ids = f.get_tensor(BUFFER)
+    return validate_draft_vocab(ids, int(vocab_size))
+
+
+def draft_columns(token_ids: Tensor, vocab: Tensor) -> Tensor:
+    """Target token ids -> their column in the draft vocabulary `vocab` (sorted ids), -1 outside it."""
+    col = torch.searchsorted(vocab, token_ids.clamp(min=0))
+    col = col.clamp(max=int(vocab.numel()) - 1)
+    return torch.where(vocab[col] == token_ids, col, torch.full_like(col, -1))
+
+
 def restricted_lm_head(lm_head: nn.Linear, vocab: Tensor) -> nn.Linear:
     """A frozen copy of `lm_head`'s rows `vocab` (its outputs are in `vocab` order): what the draft scores
     with under a draft vocabulary, eagerly (`DraftLMHead`) and in the exported head graph."""

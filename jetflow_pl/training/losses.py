@@ -83,7 +83,8 @@ def _chunk_loss(
                 weights = weights * finite.to(weights.dtype)
     T = float(temperature)
     if kind == "ce":
-        per_row = F.cross_entropy(s_logits, targets, reduction="none")
+        # -1: a label outside a draft vocabulary (`step.py`), weight 0 there; never a real token id
+        per_row = F.cross_entropy(s_logits, targets, reduction="none", ignore_index=-1)
     else:
         log_q = F.log_softmax(s_logits / T, dim=-1)
         log_p = F.log_softmax(t_logits / T, dim=-1)

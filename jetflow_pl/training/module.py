@@ -27,6 +27,7 @@ from lightning.pytorch import LightningModule
 
 from jetflow_pl.errors import NumericalError, UserInputError
 from jetflow_pl.head import DraftHead, DraftHeadConfig
+from jetflow_pl.head.draft_vocab import draft_vocab_of, load_draft_vocab, set_draft_vocab
 from jetflow_pl.target import TargetModel
 
 from .losses import LOSS_KINDS
@@ -126,6 +127,11 @@ class DistillationModule(LightningModule):
             `lr * min_lr_ratio` over `trainer.estimated_stepping_batches` (or `max_minutes` of wall-clock,
             whichever is further along).
         max_minutes: optional wall-clock horizon of the cosine schedule (for time-bounded runs).
+        draft_vocab: a head folder whose draft vocabulary (`python -m jetflow_pl draft-vocab`) the head
+            takes and is trained on: the loss covers those ids only, the teacher renormalized over them,
+            which is what the head drafts from at inference, at `Vd / V` of the vocabulary projection's
+            cost (SmolLM2: 8,192 of 49,152 ids). The exported head carries the set. null = the full
+            vocabulary (a head from `init_head_path` keeps the set it has, if any, for drafting only).
         path_fraction: share of training blocks conditioned on the true path tokens under the tree-causal
             mask (`step.py`), so the head also learns the rows `refine_factor` decoding runs; 0 = MASK-only
             blocks. With it, validation also reports `val/path_agree_d*` and `val/path_sim_tau` (every
@@ -170,6 +176,7 @@ class DistillationModule(LightningModule):
         min_lr_ratio: float = 0.1,
         max_minutes: float | None = None,
         path_fraction: float = 0.0,
+        draft_vocab: str | None = None,
         seed: int = 0,
         target_dtype: str = "float32",
         head_overrides: dict | None = None,
@@ -225,9 +232,11 @@ class DistillationModule(LightningModule):
             # one clear error (every offending field named) before anything trains
             head.check_compatible(target.config)
             check_mask_against_tokenizer(path, int(head.mask_token_id))
+            if draft_vocab is not None:
+                set_draft_vocab(head, load_draft_vocab(draft_vocab, int(target.vocab_size)))
         except UserInputError:
             raise
-        except ValueError as err:
+        except (ValueError, FileNotFoundError) as err:
             raise UserInputError(_one_line(err)) from err
         target.set_taps(head.target_layer_ids)
         self.head = head
@@ -406,6 +415,7 @@ class DistillationModule(LightningModule):
             taps=batch.get("taps"),
             teacher_hidden=batch.get("teacher_hidden"),
             path_fraction=path_fraction,
+            draft_vocab=draft_vocab_of(self.head) if hp.get("draft_vocab") else None,
         )
 
     def _where(self, batch_idx: int) -> str:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from jetflow_pl.head import DraftHead
+from jetflow_pl.head.draft_vocab import draft_columns, restricted_lm_head
 from jetflow_pl.target import TargetModel
 
 from .anchors import sample_anchors, segment_ids
@@ -186,6 +187,7 @@ def distill_step(
     taps: torch.Tensor | None = None,
     teacher_hidden: torch.Tensor | None = None,
     path_fraction: float = 0.0,
+    draft_vocab: torch.Tensor | None = None,
 ) -> dict:
     """One distillation step on a batch `[B, S]`; returns the loss (with grad into the head) and metrics.
 
@@ -197,13 +199,17 @@ def distill_step(
     `anchors=(anchors, valid)` overrides sampling (tests, evaluation on fixed anchors).
     `skip_nonfinite_teacher` drops loss rows whose teacher logits hold a NaN/inf (see `chunked_kl_loss`).
     `path_fraction`: the share of blocks trained path-conditioned, for the tree-causal pass (module doc).
+    `draft_vocab` (sorted target ids, `head.draft_vocab`): the loss is computed over those ids only, the
+    teacher's distribution renormalized over them: what the head drafts from at inference
+    (`head/draft_vocab.py`), at `Vd / V` of the vocabulary projection's cost. With `ce`, rows whose label
+    lies outside the set get weight 0; agreement is the teacher's argmax inside the set.
 
     Returns a dict: `loss` (scalar), `agree_correct` / `agree_total` (`[bs-1]` long per depth),
     `num_blocks` (valid blocks), `num_rows` (loss rows), `teacher_nonfinite` (loss rows whose teacher
     logits hold a NaN/inf, a long tensor), `anchors`, `valid`; with `path_fraction` > 0 the agreement
     counts cover the MASK-only blocks and `path_agree_correct` / `path_agree_total` the path-conditioned
     ones, `num_path_blocks` counts those; with `return_hidden` also `student_hidden`,
-    `teacher_hidden` (`[N, H]`), `labels` `[N]`, `depth_index` `[N]` (k-1) and `row_index` `[N, 3]`
+    `teacher_hidden` (`[N, H]`), `labels` `[N]` (draft columns under `draft_vocab`), `depth_index` `[N]` (k-1) and `row_index` `[N, 3]`
     (batch row, anchor p, offset k) of the `N` loss rows.
     """
     if (taps is None) != (teacher_hidden is None):
@@ -268,6 +274,14 @@ def distill_step(
     labels = bb.labels[sel]
     depth = torch.arange(bs - 1, device=input_ids.device).expand(B, A, bs - 1)[sel]
     weights = offset_weights(bs, decay_gamma, device=input_ids.device)[depth]
+    lm_head = target.lm_head
+    if draft_vocab is not None:
+        # teacher and student over the draft vocabulary's rows of the frozen lm_head (one 19 MB copy per
+        # step for SmolLM2's 8,192 rows: noise next to the projection it saves)
+        lm_head = restricted_lm_head(target.lm_head, draft_vocab)
+        labels = draft_columns(labels, draft_vocab.to(labels.device))
+        if loss_kind == "ce":
+            weights = weights * (labels >= 0).to(weights.dtype)
     # agreement per pass: path-conditioned rows count at depth index (bs - 1) + k - 1
     passes = 1 if bb.is_path is None else 2
     pass_depth = depth
@@ -277,7 +291,7 @@ def distill_step(
     loss, stats = chunked_kl_loss(
         student,
         teacher,
-        target.lm_head,
+        lm_head,
         weights,
         kind=loss_kind,
         temperature=temperature,
