@@ -166,7 +166,10 @@ def test_fit_on_the_set_exports_a_head_that_drafts_from_it(tiny_target_dir, voca
         val_check_interval=3,
         num_sanity_val_steps=0,
         default_root_dir=str(tmp_path),
-        callbacks=[HFHeadExport(str(tmp_path / "head"))],
+        callbacks=[
+            HFHeadExport(str(tmp_path / "head")),
+            HFHeadExport(str(tmp_path / "bf16"), save_dtype="bfloat16"),
+        ],
     )
     dm = DistillDataModule(dataset_path=str(data), seq_len=64, batch_size=2, val_fraction=0.1, max_val_rows=2)
     trainer.fit(module, datamodule=dm)
@@ -174,6 +177,14 @@ def test_fit_on_the_set_exports_a_head_that_drafts_from_it(tiny_target_dir, voca
     exported = DraftHead.from_pretrained(str(tmp_path / "head" / "last"))
     assert int(exported.config.draft_vocab_size) == SET.numel()
     assert torch.equal(draft_vocab_of(exported), SET)
+    # the bfloat16 export: the same weights rounded once, the set intact, the module still float32
+    half = DraftHead.from_pretrained(str(tmp_path / "bf16" / "last"), torch_dtype=torch.bfloat16)
+    assert all(p.dtype == torch.float32 for p in module.head.parameters())
+    for (name, p), q in zip(exported.named_parameters(), half.parameters(), strict=True):
+        assert q.dtype == torch.bfloat16 and torch.equal(q, p.to(torch.bfloat16)), name
+    assert torch.equal(draft_vocab_of(half), SET)
+    with pytest.raises(ValueError, match="save_dtype"):
+        HFHeadExport(str(tmp_path / "x"), save_dtype="int8")
     with pytest.raises(UserInputError, match="full vocabulary|model.safetensors"):
         DistillationModule(
             target_path=str(tiny_target_dir), block_size=4, mask_token_id=2, draft_vocab=str(tmp_path)

@@ -333,7 +333,8 @@ class HFHeadExport(Callback):
     `AcceptanceLengthCallback` right after it measures (same step) for any name it logs (`val/tau` or a
     curve point `val/tau@<k>`), or read from the logged metrics at the end of each validation run (for
     other monitors such as `val/sim_tau`). Each export folder also holds `export_info.json` (step, metric
-    value).
+    value). `save_dtype` (`bfloat16` / `float16`) stores the exported weights in that dtype, e.g. to halve a
+    head kept in git; training keeps its float32 master weights, the runtimes cast to the target's dtype.
     """
 
     def __init__(
@@ -343,9 +344,13 @@ class HFHeadExport(Callback):
         mode: str = "max",
         save_last: bool = True,
         every_n_steps: int = 0,
+        save_dtype: str | None = None,
     ) -> None:
         if mode not in ("max", "min"):
             raise ValueError(f"mode must be 'max' or 'min', got {mode!r}")
+        if save_dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(f"save_dtype must be float32, bfloat16, float16 or None, got {save_dtype!r}")
+        self.save_dtype = save_dtype
         self.dirpath = Path(dirpath)
         self.monitor = monitor
         self.mode = mode
@@ -353,6 +358,11 @@ class HFHeadExport(Callback):
         self.every_n_steps = int(every_n_steps)
         self.best_value: float | None = None
         self.best_step: int | None = None
+
+    @property
+    def state_key(self) -> str:
+        # one state per export folder, so a trainer can hold several exporters (e.g. a bfloat16 copy)
+        return self._generate_state_key(dirpath=str(self.dirpath), monitor=self.monitor)
 
     @property
     def best_dir(self) -> Path:
@@ -368,7 +378,10 @@ class HFHeadExport(Callback):
             if not trainer.is_global_zero:
                 return
             out.mkdir(parents=True, exist_ok=True)
-            pl_module.head.save_pretrained(str(out))
+            head = pl_module.head
+            if self.save_dtype is not None:  # a copy: the module keeps training its own weights
+                head = copy.deepcopy(head).to(getattr(torch, self.save_dtype))
+            head.save_pretrained(str(out))
         info = {"global_step": trainer.global_step, "monitor": self.monitor, "value": value}
         (out / "export_info.json").write_text(json.dumps(info, indent=2))
 
