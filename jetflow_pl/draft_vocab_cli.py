@@ -26,6 +26,7 @@ from jetflow_pl.errors import UserInputError
 from jetflow_pl.head.draft_vocab import (
     count_tokens,
     coverage,
+    keep_ids,
     load_token_sequences,
     select_draft_vocab,
     set_draft_vocab,
@@ -34,16 +35,6 @@ from jetflow_pl.head.draft_vocab import (
 #: files of a head folder that stay true for the copy (provenance); an acceptance profile does not:
 #: it was measured drafting over the full vocabulary
 CARRIED_FILES = ("training_config.yaml",)
-
-
-def _special_ids(config) -> list[int]:
-    ids: list[int] = []
-    for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
-        value = getattr(config, name, None)
-        for v in value if isinstance(value, list) else [value]:
-            if v is not None and 0 <= int(v) < int(config.vocab_size):
-                ids.append(int(v))
-    return ids
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         counts = count_tokens(sequences, vocab_size)
         if int(counts.sum()) == 0:
             raise UserInputError(f"no response tokens in {', '.join(map(str, args.data))}")
-        vocab = select_draft_vocab(counts, args.size, keep=_special_ids(head.config))
+        vocab = select_draft_vocab(counts, args.size, keep=keep_ids(head.config))
     except (ValueError, FileNotFoundError, UserInputError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

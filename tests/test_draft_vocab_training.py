@@ -189,3 +189,62 @@ def test_fit_on_the_set_exports_a_head_that_drafts_from_it(tiny_target_dir, voca
         DistillationModule(
             target_path=str(tiny_target_dir), block_size=4, mask_token_id=2, draft_vocab=str(tmp_path)
         )
+
+
+def _skewed_rows(n: int, seed: int = 0) -> list[dict]:
+    """Prompts from ids 60..90, responses from ids 10..40 only: a set counted from the responses must be
+    exactly 10..40 (+ the kept special ids), one counted over whole rows would take prompt ids."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        p, r = rng.randint(12, 20), rng.randint(16, 30)
+        ids = [rng.randint(60, 90) for _ in range(p)] + [rng.randint(10, 40) for _ in range(r)]
+        rows.append(
+            {
+                "id": f"{i:05d}",
+                "domain": "math",
+                "input_ids": ids,
+                "loss_mask": [0] * p + [1] * r,
+                "prompt_len": p,
+                "response": "",
+                "finish_reason": "length",
+            }
+        )
+    return rows
+
+
+def test_draft_vocab_size_counts_the_set_from_the_training_responses(tiny_target_dir, tmp_path):
+    from datasets import Dataset
+
+    data = tmp_path / "regen"
+    Dataset.from_list(_skewed_rows(60)).save_to_disk(str(data / "dataset"))
+    common = dict(
+        target_path=str(tiny_target_dir), block_size=4, mask_token_id=2, num_anchors=4, warmup_steps=1
+    )
+    module = DistillationModule(**common, draft_vocab_size=31 + 2)
+    assert draft_vocab_of(module.head) is None  # counted at setup, from the data
+    trainer = Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        default_root_dir=str(tmp_path),
+        callbacks=[HFHeadExport(str(tmp_path / "head"))],
+    )
+    dm = DistillDataModule(dataset_path=str(data), seq_len=64, batch_size=2, val_fraction=0.1, max_val_rows=2)
+    trainer.fit(module, datamodule=dm)
+    special = sorted({module.head.config.eos_token_id, module.head.config.pad_token_id} - {None})
+    assert len(special) == 2
+    want = sorted(set(special) | set(range(10, 41)))
+    assert draft_vocab_of(module.head).tolist() == want
+    assert draft_vocab_of(DraftHead.from_pretrained(str(tmp_path / "head" / "last"))).tolist() == want
+    with pytest.raises(UserInputError, match="exclude each other"):
+        DistillationModule(**common, draft_vocab_size=8, draft_vocab=str(tmp_path / "head" / "last"))
+    with pytest.raises(UserInputError, match="draft_vocab_size must be >= 1"):
+        DistillationModule(**common, draft_vocab_size=0)

@@ -61,6 +61,26 @@ def select_draft_vocab(counts: Tensor, size: int, keep: Iterable[int] = ()) -> T
     return torch.tensor(sorted(chosen), dtype=torch.int64)
 
 
+def keep_ids(config) -> list[int]:
+    """The ids a draft vocabulary always keeps: the head config's EOS, pad and BOS ids (when in range)."""
+    ids: list[int] = []
+    for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
+        value = getattr(config, name, None)
+        for v in value if isinstance(value, list) else [value]:
+            if v is not None and 0 <= int(v) < int(config.vocab_size):
+                ids.append(int(v))
+    return ids
+
+
+def response_counts(input_ids: Tensor, loss_mask: Tensor, vocab_size: int) -> Tensor:
+    """`int64 [vocab_size]`: how often each id occurs at the `loss_mask` (response) positions of packed
+    rows: the tokens a head is trained to draft (`count_tokens` for rows already in memory)."""
+    ids = input_ids[loss_mask.bool()].to(torch.int64)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"token id out of range for a vocabulary of {vocab_size}")
+    return torch.bincount(ids, minlength=int(vocab_size))
+
+
 def coverage(counts: Tensor, vocab: Tensor) -> float:
     """Share of the counted tokens that lie in `vocab` (how often the draft *could* name the target's token)."""
     total = int(counts.sum())

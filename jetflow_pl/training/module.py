@@ -27,7 +27,15 @@ from lightning.pytorch import LightningModule
 
 from jetflow_pl.errors import NumericalError, UserInputError
 from jetflow_pl.head import DraftHead, DraftHeadConfig
-from jetflow_pl.head.draft_vocab import draft_vocab_of, load_draft_vocab, set_draft_vocab
+from jetflow_pl.head.draft_vocab import (
+    coverage,
+    draft_vocab_of,
+    keep_ids,
+    load_draft_vocab,
+    response_counts,
+    select_draft_vocab,
+    set_draft_vocab,
+)
 from jetflow_pl.target import TargetModel
 
 from .losses import LOSS_KINDS
@@ -132,6 +140,10 @@ class DistillationModule(LightningModule):
             which is what the head drafts from at inference, at `Vd / V` of the vocabulary projection's
             cost (SmolLM2: 8,192 of 49,152 ids). The exported head carries the set. null = the full
             vocabulary (a head from `init_head_path` keeps the set it has, if any, for drafting only).
+        draft_vocab_size: instead of `draft_vocab`, build the set from the training data: the
+            `draft_vocab_size` ids most frequent in the training rows' responses (plus EOS / pad / BOS),
+            counted at `setup` (the validation rows are not counted), as `python -m jetflow_pl
+            draft-vocab` would from the same data. Needs a data module with `train_rows`.
         path_fraction: share of training blocks conditioned on the true path tokens under the tree-causal
             mask (`step.py`), so the head also learns the rows `refine_factor` decoding runs; 0 = MASK-only
             blocks. With it, validation also reports `val/path_agree_d*` and `val/path_sim_tau` (every
@@ -177,6 +189,7 @@ class DistillationModule(LightningModule):
         max_minutes: float | None = None,
         path_fraction: float = 0.0,
         draft_vocab: str | None = None,
+        draft_vocab_size: int | None = None,
         seed: int = 0,
         target_dtype: str = "float32",
         head_overrides: dict | None = None,
@@ -215,6 +228,10 @@ class DistillationModule(LightningModule):
                 f"on_nonfinite_teacher must be one of {list(NONFINITE_TEACHER_POLICIES)}, "
                 f"got {on_nonfinite_teacher!r}"
             )
+        if draft_vocab is not None and draft_vocab_size is not None:
+            problems.append("draft_vocab and draft_vocab_size exclude each other (a set, or one counted)")
+        if draft_vocab_size is not None and draft_vocab_size < 1:
+            problems.append(f"draft_vocab_size must be >= 1, got {draft_vocab_size}")
         if init_head_path is not None and init_from_target_layers:
             problems.append("init_head_path and init_from_target_layers exclude each other")
         path = Path(target_path)
@@ -309,6 +326,11 @@ class DistillationModule(LightningModule):
         return target, str(self.hparams.target_path)
 
     @property
+    def trains_on_draft_vocab(self) -> bool:
+        """Whether the loss covers the head's draft vocabulary only (`draft_vocab` / `draft_vocab_size`)."""
+        return bool(self.hparams.get("draft_vocab") or self.hparams.get("draft_vocab_size"))
+
+    @property
     def num_depths(self) -> int:
         return self.head.block_size - 1
 
@@ -323,11 +345,38 @@ class DistillationModule(LightningModule):
         if stage != "fit" or self._trainer is None:
             return
         rows = getattr(self.trainer.datamodule, "train_rows", None)
-        if isinstance(rows, dict) and "input_ids" in rows and "loss_mask" in rows:
+        has_rows = isinstance(rows, dict) and "input_ids" in rows and "loss_mask" in rows
+        if has_rows:
             self.check_training_rows(rows["input_ids"], rows["loss_mask"], rows.get("doc_ids"))
+        if self.hparams.get("draft_vocab_size"):
+            if not has_rows:
+                raise UserInputError(
+                    "draft_vocab_size: the data module exposes no train_rows to count the draft vocabulary "
+                    "from (use DistillDataModule, or give draft_vocab: a head folder with a set)"
+                )
+            self.count_draft_vocab(rows["input_ids"], rows["loss_mask"])
         val = getattr(self.trainer.datamodule, "val_rows", None)
         if isinstance(val, dict) and "input_ids" in val:
             self.check_mask_absent(val["input_ids"], "validation")
+
+    def count_draft_vocab(self, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> None:
+        """Give the head the `draft_vocab_size` ids most frequent in these response tokens (plus EOS / pad
+        / BOS): deterministic, so every rank and a resumed run count the same set."""
+        from lightning.pytorch.utilities import rank_zero_info
+
+        vocab_size = int(self.target.vocab_size)
+        counts = response_counts(input_ids, loss_mask, vocab_size)
+        size = min(int(self.hparams.draft_vocab_size), vocab_size)
+        try:
+            vocab = select_draft_vocab(counts, size, keep=keep_ids(self.head.config))
+        except ValueError as err:
+            raise UserInputError(f"draft_vocab_size: {err}") from err
+        set_draft_vocab(self.head, vocab)
+        rank_zero_info(
+            f"[DistillationModule] draft vocabulary: {vocab.numel()} of {vocab_size} ids, covering "
+            f"{coverage(counts, vocab):.2%} of the {int(counts.sum())} training response tokens "
+            f"({int((counts > 0).sum())} distinct)"
+        )
 
     def check_training_rows(
         self, input_ids: torch.Tensor, loss_mask: torch.Tensor, doc_ids: torch.Tensor | None = None
@@ -415,7 +464,7 @@ class DistillationModule(LightningModule):
             taps=batch.get("taps"),
             teacher_hidden=batch.get("teacher_hidden"),
             path_fraction=path_fraction,
-            draft_vocab=draft_vocab_of(self.head) if hp.get("draft_vocab") else None,
+            draft_vocab=draft_vocab_of(self.head) if self.trains_on_draft_vocab else None,
         )
 
     def _where(self, batch_idx: int) -> str:
