@@ -39,6 +39,26 @@ def tiny(tiny_target_dir):
     return target, head
 
 
+def _module_args(target_dir) -> dict:
+    """DistillationModule arguments for the tiny target (block 4, toy MASK id 2)."""
+    return dict(target_path=str(target_dir), block_size=4, mask_token_id=2, num_anchors=4, warmup_steps=1)
+
+
+def _trainer(root: Path, max_steps: int, **kw) -> Trainer:
+    """A quiet CPU trainer for `max_steps` steps (no logger, no checkpoints, no sanity validation)."""
+    return Trainer(
+        max_steps=max_steps,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        default_root_dir=str(root),
+        **kw,
+    )
+
+
 def _batch(seed: int = 5, B: int = 2, S: int = 20):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, MASK_ID, (B, S), generator=g)
@@ -146,26 +166,13 @@ def test_fit_on_the_set_exports_a_head_that_drafts_from_it(tiny_target_dir, voca
 
     data = tmp_path / "regen"
     Dataset.from_list(random_rows(40, VOCAB, 0)).save_to_disk(str(data / "dataset"))
-    module = DistillationModule(
-        target_path=str(tiny_target_dir),
-        block_size=4,
-        mask_token_id=2,
-        num_anchors=4,
-        warmup_steps=1,
-        draft_vocab=str(vocab_head_dir),
-    )
+    module = DistillationModule(**_module_args(tiny_target_dir), draft_vocab=str(vocab_head_dir))
     assert torch.equal(draft_vocab_of(module.head), SET)
-    trainer = Trainer(
-        max_steps=3,
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
+    trainer = _trainer(
+        tmp_path,
+        3,
         limit_val_batches=1,
         val_check_interval=3,
-        num_sanity_val_steps=0,
-        default_root_dir=str(tmp_path),
         callbacks=[
             HFHeadExport(str(tmp_path / "head")),
             HFHeadExport(str(tmp_path / "bf16"), save_dtype="bfloat16"),
@@ -220,21 +227,13 @@ def test_draft_vocab_size_counts_the_set_from_the_training_responses(tiny_target
 
     data = tmp_path / "regen"
     Dataset.from_list(_skewed_rows(60)).save_to_disk(str(data / "dataset"))
-    common = dict(
-        target_path=str(tiny_target_dir), block_size=4, mask_token_id=2, num_anchors=4, warmup_steps=1
-    )
+    common = _module_args(tiny_target_dir)
     module = DistillationModule(**common, draft_vocab_size=31 + 2)
     assert draft_vocab_of(module.head) is None  # counted at setup, from the data
-    trainer = Trainer(
-        max_steps=2,
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
+    trainer = _trainer(
+        tmp_path,
+        2,
         limit_val_batches=0,
-        num_sanity_val_steps=0,
-        default_root_dir=str(tmp_path),
         callbacks=[HFHeadExport(str(tmp_path / "head"))],
     )
     dm = DistillDataModule(dataset_path=str(data), seq_len=64, batch_size=2, val_fraction=0.1, max_val_rows=2)
