@@ -26,16 +26,18 @@ from torch import Tensor, nn
 BUFFER = "draft_vocab"
 
 
+def _bincount(ids: Tensor, vocab_size: int) -> Tensor:
+    """`int64 [vocab_size]` counts of the int64 vector `ids`; ids outside the vocabulary are refused."""
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"token id out of range for a vocabulary of {vocab_size}")
+    return torch.bincount(ids, minlength=int(vocab_size))
+
+
 def count_tokens(sequences: Iterable[Sequence[int]], vocab_size: int) -> Tensor:
     """`int64 [vocab_size]`: how often each id occurs in `sequences` (ids outside the vocab are refused)."""
     counts = torch.zeros(int(vocab_size), dtype=torch.int64)
     for seq in sequences:
-        ids = torch.as_tensor(list(seq), dtype=torch.int64)
-        if ids.numel() == 0:
-            continue
-        if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-            raise ValueError(f"token id out of range for a vocabulary of {vocab_size}")
-        counts += torch.bincount(ids, minlength=vocab_size)
+        counts += _bincount(torch.as_tensor(list(seq), dtype=torch.int64), vocab_size)
     return counts
 
 
@@ -75,10 +77,7 @@ def keep_ids(config) -> list[int]:
 def response_counts(input_ids: Tensor, loss_mask: Tensor, vocab_size: int) -> Tensor:
     """`int64 [vocab_size]`: how often each id occurs at the `loss_mask` (response) positions of packed
     rows: the tokens a head is trained to draft (`count_tokens` for rows already in memory)."""
-    ids = input_ids[loss_mask.bool()].to(torch.int64)
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise ValueError(f"token id out of range for a vocabulary of {vocab_size}")
-    return torch.bincount(ids, minlength=int(vocab_size))
+    return _bincount(input_ids[loss_mask.bool()].to(torch.int64), vocab_size)
 
 
 def coverage(counts: Tensor, vocab: Tensor) -> float:
