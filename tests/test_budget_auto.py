@@ -482,3 +482,42 @@ def test_promising_probes_repeat_until_a_modest_gain_overturns_the_prior():
     assert switched - first <= 6, played
     assert all(k > 0 for k in played[switched:])
     assert pol.best() == brute_force_best(cost, {1: 2.0, 2: 3.0}, pol.min_gain)
+
+
+def test_an_easy_stretch_does_not_make_larger_budgets_look_better():
+    """Text alternates between easy stretches (16 rounds in which every tree accepts 2 drafts) and hard
+    ones (1 draft accepted). Larger trees gain nothing in either: budgets above 2 never pay. Budgets above
+    the choice are observed only in the rounds that probe or explore them; one that lands in an easy
+    stretch must not make them look better than budget 2 (their own mean beats budget 2's mean over all
+    rounds, their gain on the same rounds is 0), nor be repeated as promising. So budgets >= 4 are played
+    only on the schedules: at most 6 session probes (every 16 rounds, doubling) and 11 looks one rung up
+    (every 4 rounds, doubling to 64) in 512 rounds. (Comparing unpaired means, the policy moved to budget 4
+    for whole stretches after such a probe: 39 rounds.)"""
+    cost = linear_cost(0.05, 0.3)
+    pol = started(AutoBudget(cost, prior_of({1: 2.0, 2: 2.5}), check_costs=False))
+    assert pol.best() == 2
+    played = []
+    for r in range(512):
+        k = pol.choose()
+        played.append(k)
+        easy = (r // 16) % 2 == 1  # the first session probe (round 16) falls in an easy stretch
+        pol.observe(DraftTree.chain(list(range(k + 1))), list(range(min(k, 2 if easy else 1) + 1)))
+    assert played.count(pol.probe_budget()) <= 6, played
+    assert sum(k >= 4 for k in played) <= 6 + 11, played
+
+
+def test_a_probe_where_larger_trees_win_on_the_same_round_is_repeated():
+    """The paired rule still sees real evidence: budget 2 is the choice, but in this stretch every round
+    accepts 6 drafts, which only a larger tree can hold: a probe there beats budget 2 on the same round,
+    so the next round probes again and the choice moves up within a few rounds."""
+    cost = linear_cost(0.05, 0.3)
+    pol = started(AutoBudget(cost, prior_of({1: 1.5, 2: 2.0}, rounds=100), check_costs=False))
+    assert pol.best() == 2
+    played = []
+    for _ in range(40):
+        k = pol.choose()
+        played.append(k)
+        pol.observe(DraftTree.chain(list(range(k + 1))), list(range(min(k, 6) + 1)))
+    first = played.index(pol.probe_budget())
+    assert played[first + 1] == pol.probe_budget() or pol.best() > 2, played
+    assert pol.best() > 2, played

@@ -27,8 +27,9 @@ choice are never observed by playing it, so their estimates could go stale (or a
 could be wrong): every `explore_every` rounds the next larger candidate is played once if its estimate
 is within `explore_margin` of the best, and on a session-wide schedule (`probe_every`, doubling while it
 changes nothing) the probe budget is played whatever the estimates say; both intervals double while
-exploring does not change the choice, except that a probe round that on its own beat the current choice
-is followed by another probe (the estimate is behind the data: cheap, since such rounds are fast).
+exploring does not change the choice, except that a probe round in which a budget above the current
+choice beat the choice on that same round is followed by another probe (the estimate is behind the data:
+cheap, since such rounds are fast).
 
 **A batch of requests** (continuous batching, `choose_batch` / `observe_batch`) shares one budget per
 round: one head forward and one verify forward of B trees padded to the largest. The round's cost is then
@@ -99,32 +100,46 @@ def accept_length_at(accepted: Sequence[int], budget: int) -> int:
 
 
 class AcceptanceStats:
-    """Sums and counts of per-round accept lengths at each of `budgets` (the counterfactual ones too)."""
+    """Sums and counts of per-round accept lengths at each of `budgets` (the counterfactual ones too), and
+    of each budget's gain over the next smaller one on the same rounds (`mean_gain`)."""
 
     def __init__(self, budgets: Sequence[int] = LADDER_BUDGETS) -> None:
         self.budgets = tuple(sorted(set(int(k) for k in budgets)))
         self.sums = [0.0] * len(self.budgets)
+        self.gain_sums = [0.0] * len(self.budgets)
         self.counts: list[float] = [0] * len(self.budgets)
 
     def observe(self, accepted: Sequence[int], tree_budget: int) -> None:
         """Record one verified round: `accepted` node ids (root first) of a tree of `tree_budget` drafts."""
+        below = 1  # the accept length one budget down (a tree of no drafts commits the bonus token only)
         for i, k in enumerate(self.budgets):
             if k > tree_budget:
                 break
-            self.sums[i] += accept_length_at(accepted, k)
+            length = accept_length_at(accepted, k)
+            self.sums[i] += length
+            self.gain_sums[i] += length - below
             self.counts[i] += 1
+            below = length
 
     def fade(self, memory: int) -> None:
         """Keep at most `memory` rounds' worth per budget, older ones counting less (means unchanged)."""
         for i, c in enumerate(self.counts):
             if c > memory:
                 self.sums[i] *= memory / c
+                self.gain_sums[i] *= memory / c
                 self.counts[i] = memory
 
     def mean(self, budget: int) -> float | None:
         """Mean accept length at `budget` (None if never observed)."""
         i = self.budgets.index(budget)
         return self.sums[i] / self.counts[i] if self.counts[i] else None
+
+    def mean_gain(self, budget: int) -> float | None:
+        """Mean of (accept length at `budget`) - (accept length at the next smaller budget) over the rounds
+        that covered `budget` (None if never observed). A paired difference: both terms come from the same
+        rounds, so it does not depend on which stretch of text those rounds happened to fall in."""
+        i = self.budgets.index(budget)
+        return self.gain_sums[i] / self.counts[i] if self.counts[i] else None
 
     def count(self, budget: int) -> float:
         return self.counts[self.budgets.index(budget)]
@@ -418,22 +433,29 @@ class AutoBudget:
 
     # ---- estimates --------------------------------------------------------------------------------
     def estimates(self) -> dict[int, float]:
-        """Current tau(k) for every candidate: observations shrunk toward the prior, made non-decreasing
-        in k (a larger tree contains the smaller one, so its expected accept length cannot be lower)."""
+        """Current tau(k) for every candidate, built up the ladder: tau(k) = tau(k') + the expected gain
+        of k over the next smaller candidate k', each gain the mean paired difference over the rounds that
+        covered k (`AcceptanceStats.mean_gain`) shrunk toward the prior's difference, never negative (a
+        larger tree contains the smaller one, so its expected accept length cannot be lower).
+
+        Why gains and not each budget's own mean: budgets above the choice are only observed in the few
+        rounds that explored or probed them, and text comes in easier and harder stretches. A probe that
+        lands in an easy stretch would make its budget's own mean look better than the choice's mean over
+        all rounds even where the larger tree gained nothing on those rounds; the paired gain is 0 there.
+        Where every budget was observed on the same rounds, the sum of gains equals the plain mean."""
         out: dict[int, float] = {}
-        best_so_far = 1.0
+        tau, below = 1.0, 0
         for k in self.candidates:
-            n, mean = self.stats.count(k), self.stats.mean(k)
-            if k == 0:
-                est = 1.0
-            elif self.prior is not None:
-                w = min(self.prior_weight, float(self.prior.rounds_at(k)))
-                s = (mean or 0.0) * n
-                est = (w * self.prior.at(k) + s) / (w + n) if w + n > 0 else 1.0
-            else:
-                est = mean if mean is not None else best_so_far
-            best_so_far = max(best_so_far, est)
-            out[k] = best_so_far
+            if k:
+                n, gain = self.stats.count(k), self.stats.mean_gain(k)
+                if self.prior is not None:
+                    w = min(self.prior_weight, float(self.prior.rounds_at(k)))
+                    prior_gain = max(0.0, self.prior.at(k) - self.prior.at(below))
+                    g = (w * prior_gain + n * (gain or 0.0)) / (w + n) if w + n > 0 else 0.0
+                else:
+                    g = gain if gain is not None else 0.0
+                tau += max(0.0, g)
+            out[k], below = tau, k
         return out
 
     def speeds(self) -> dict[int, float]:
@@ -683,13 +705,16 @@ class AutoBudget:
         if self._explored_from is not None:
             changed = best() != self._explored_from
             if self._probing:
-                # a probe round that by itself beat the current choice is evidence the estimate is behind
-                # (a prior from other data, say): probe again next round, until the choice moves or a
-                # probe disagrees. Such rounds cost nothing (they were faster than the choice); a probe
-                # that disagrees backs the schedule off, so a useless head pays O(log rounds) probes.
-                promising = self._round_speed(trees, accepted, b) > self.min_gain * max(
-                    speeds()[self._explored_from], 1.0
-                )
+                # a probe round in which a budget above the current choice beat the choice itself is
+                # evidence the estimate is behind (a prior from other data, say): probe again next round,
+                # until the choice moves or a probe disagrees. Such rounds cost nothing (they were faster
+                # than the choice); a probe that disagrees backs the schedule off, so a useless head pays
+                # O(log rounds) probes. The comparison is paired, both sides from this one round: an easy
+                # stretch of text, where every budget accepts a lot, then makes no probe look promising
+                # unless the larger trees gained on it (seen on SmolLM2, torch, budget 2 best: 33 of 253
+                # rounds went to the probe budget 64 when one round's best speed at any budget was read
+                # against budget 2's mean).
+                promising = self._probe_beat_choice(trees, accepted, self._explored_from, b)
                 if changed or promising:
                     self._probe_interval = self.probe_every
                 else:
@@ -707,19 +732,28 @@ class AutoBudget:
         self._round += 1
         self._session_round += 1
 
-    def _round_speed(self, trees: list[DraftTree], accepted: list[Sequence[int]], batch: int = 1) -> float:
-        """The best speed this one round (its `batch` requests) would have had at any candidate budget
-        every tree covered, against as many AR steps batched."""
+    def _round_speeds(
+        self, trees: list[DraftTree], accepted: list[Sequence[int]], batch: int = 1
+    ) -> dict[int, float]:
+        """The speed this one round (its `batch` requests) would have had at every candidate budget all
+        its trees covered, against as many AR steps batched (AR itself: 1, one token per request)."""
         assert self.cost is not None
         covered = min(t.budget for t in trees)
-        return max(
-            (
-                sum(accept_length_at(acc, k) for acc in accepted) / (batch * self.round_cost(k, batch))
-                for k in self.candidates_at(batch)
-                if 0 < k <= covered
-            ),
-            default=0.0,
-        )
+        return {
+            k: sum(accept_length_at(acc, k) for acc in accepted) / (batch * self.round_cost(k, batch))
+            if k
+            else 1.0
+            for k in self.candidates_at(batch)
+            if k <= covered
+        }
+
+    def _probe_beat_choice(
+        self, trees: list[DraftTree], accepted: list[Sequence[int]], choice: int, batch: int = 1
+    ) -> bool:
+        """Whether, on this probe round alone, some budget above `choice` beat `choice` by `min_gain`."""
+        speeds = self._round_speeds(trees, accepted, batch)
+        above = [v for k, v in speeds.items() if k > choice]
+        return bool(above) and max(above) > self.min_gain * speeds.get(choice, 1.0)
 
     # ---- reporting --------------------------------------------------------------------------------
     def predicted_speedup(self, budgets: Sequence[int], accept_lengths: Sequence[int]) -> float:
