@@ -8,6 +8,9 @@ the torch, graph or ONNX Runtime backend. One run on one machine: the cost profi
 (`jetflow_pl.decoding.cost_profile`, cached per machine and model, or `--cost-profile FILE`), then AR,
 HF `generate()`, every fixed budget and `auto` decode the same prompts, prompt-major (each prompt by
 every configuration within a few seconds, so load changes on a shared machine hit all alike), greedy.
+`--repeats N` runs the whole prompt pass N times (a fresh `auto` policy each time, so every repeat is the
+same experiment): the pooled numbers cover all repeats, and `speedup_vs_ar_repeats` /
+`speedup_vs_hf_repeats` give each repeat's own ratio with their median, minimum and maximum.
 
 Per fixed budget k the ceiling is what the cost model allows at the measured tau: tau(k) / cost(k),
 cost(k) = (t(k+1) + draft + tree build) / t(1); `fraction_of_ceiling` = measured speedup / ceiling.
@@ -80,6 +83,20 @@ def pooled(runs: Sequence[GenerationResult]) -> dict:
     }
 
 
+def hf_tokens_per_s(tokens: Sequence[Sequence[int]], seconds: Sequence[float]) -> float:
+    """HF `generate()`'s decode tokens/s over runs (the first token of each comes from the prefill)."""
+    total = sum(seconds)
+    return sum(max(len(t) - 1, 0) for t in tokens) / total if total else 0.0
+
+
+def spread(values: Sequence[float]) -> dict:
+    """Each repeat's value, with their median, minimum and maximum."""
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return {"values": list(values), "median": median, "min": ordered[0], "max": ordered[-1]}
+
+
 def calibrate(backend, prompts, budget: int, width: int, eos, max_new: int) -> AcceptanceProfile:
     """Acceptance at every ladder budget <= `budget`, from fixed-budget runs on `prompts`."""
     gen = SpeculativeGenerator(backend, budget, width, eos_token_id=eos)
@@ -105,6 +122,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--acceptance-profile", type=Path, default=None)
     p.add_argument("--write-acceptance-profile", type=Path, default=None, help="save the calibrated prior")
     p.add_argument("--skip-hf", action="store_true", help="no HF generate() baseline")
+    p.add_argument("--repeats", type=int, default=1, help="passes over the prompts (fresh auto policies)")
     p.add_argument(
         "--threads",
         type=int,
@@ -148,34 +166,62 @@ def main(argv: Sequence[str] | None = None) -> dict:
             prior.save(args.write_acceptance_profile)
     print(f"acceptance prior: {prior_from or 'none'}", flush=True)
 
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
     ar = ARGenerator(ar_backend, eos)
     gens: dict[str, SpeculativeGenerator] = {
         str(k): SpeculativeGenerator(backend, k, args.width, eos_token_id=eos) for k in args.budgets
     }
-    policies = {"auto": AutoBudget(cost, prior), "auto_no_prior": AutoBudget(cost, None)}
-    for name, pol in policies.items():
-        gens[name] = SpeculativeGenerator(backend, pol, args.width, eos_token_id=eos)
+    policies: dict[str, AutoBudget] = {}
+
+    def fresh_policies() -> None:
+        """New `auto` policies (same cost profile and prior): each repeat starts from what a new session
+        knows, so the repeats are the same experiment."""
+        policies.update(auto=AutoBudget(cost, prior), auto_no_prior=AutoBudget(cost, None))
+        for name, pol in policies.items():
+            gens[name] = SpeculativeGenerator(backend, pol, args.width, eos_token_id=eos)
+
+    fresh_policies()
     ar.generate(prompts[0], 8)  # warm-up (first-call allocations), not measured
     for g in gens.values():
         g.generate(prompts[0], 8)
         g.acceptance = AcceptanceStats(g.acceptance.budgets)  # count measured rounds only
 
-    runs: dict[str, list[GenerationResult]] = {name: [] for name in gens}
-    ar_runs: list[GenerationResult] = []
-    hf_tokens, hf_seconds = [], []
-    for i, ids in enumerate(prompts):
-        print(f"prompt {i + 1}/{len(prompts)} ({len(ids)} tokens)", flush=True)
-        ar_runs.append(ar.generate(ids, args.max_new_tokens))
-        if not args.skip_hf:
-            out, tps = _hf_decode_tokens_per_s(target.model, ids, args.max_new_tokens, eos)
-            hf_tokens.append(out)
-            hf_seconds.append((len(out) - 1) / tps if tps > 0 else 0.0)
-        for name, g in gens.items():
-            runs[name].append(g.generate(ids, args.max_new_tokens))
-    for name, rs in runs.items():
-        bad = [i for i, (r, a) in enumerate(zip(rs, ar_runs, strict=True)) if r.tokens != a.tokens]
-        if bad:
-            raise AssertionError(f"{name}: tokens differ from AR on prompts {bad}: the loop is not lossless")
+    # per repeat: every configuration's runs, AR's, HF's (tokens, seconds)
+    reps: list[dict[str, list[GenerationResult]]] = []
+    ar_reps: list[list[GenerationResult]] = []
+    hf_reps: list[tuple[list[list[int]], list[float]]] = []
+    for rep in range(args.repeats):
+        if rep:
+            fresh_policies()
+        runs_r: dict[str, list[GenerationResult]] = {name: [] for name in gens}
+        ar_r: list[GenerationResult] = []
+        hf_r: tuple[list[list[int]], list[float]] = ([], [])
+        for i, ids in enumerate(prompts):
+            print(
+                f"repeat {rep + 1}/{args.repeats} prompt {i + 1}/{len(prompts)} ({len(ids)} tokens)",
+                flush=True,
+            )
+            ar_r.append(ar.generate(ids, args.max_new_tokens))
+            if not args.skip_hf:
+                out, tps = _hf_decode_tokens_per_s(target.model, ids, args.max_new_tokens, eos)
+                hf_r[0].append(out)
+                hf_r[1].append((len(out) - 1) / tps if tps > 0 else 0.0)
+            for name, g in gens.items():
+                runs_r[name].append(g.generate(ids, args.max_new_tokens))
+        for name, rs in runs_r.items():
+            bad = [i for i, (r, a) in enumerate(zip(rs, ar_r, strict=True)) if r.tokens != a.tokens]
+            if bad:
+                raise AssertionError(
+                    f"{name}: tokens differ from AR on prompts {bad}: the loop is not lossless"
+                )
+        reps.append(runs_r)
+        ar_reps.append(ar_r)
+        hf_reps.append(hf_r)
+    runs = {name: [r for rep in reps for r in rep[name]] for name in gens}
+    ar_runs = [r for rep in ar_reps for r in rep]
+    hf_tokens = [t for rep in hf_reps for t in rep[0]]
+    hf_seconds = [x for rep in hf_reps for x in rep[1]]
 
     ar_stats = pooled(ar_runs)
     ar_tps = ar_stats["decode_tokens_per_s"]
@@ -190,6 +236,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "backend": args.backend,
         "prompts": str(args.prompts),
         "n_prompts": len(prompts),
+        "repeats": args.repeats,
         "max_new_tokens": args.max_new_tokens,
         "width": args.width,
         "cost_profile": {
@@ -205,8 +252,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "lossless": True,
     }
     if hf_seconds:
-        seconds = sum(hf_seconds)
-        hf_rate = sum(max(len(t) - 1, 0) for t in hf_tokens) / seconds if seconds else 0.0
+        hf_rate = hf_tokens_per_s(hf_tokens, hf_seconds)
         result["hf_generate"] = {
             "decode_tokens_per_s": hf_rate,
             "matches_ar": sum(h == a.tokens for h, a in zip(hf_tokens, ar_runs, strict=True)),
@@ -214,17 +260,27 @@ def main(argv: Sequence[str] | None = None) -> dict:
     else:
         hf_rate = 0.0
 
-    def speed(stats: dict) -> dict:
-        out = {"speedup_vs_ar": stats["decode_tokens_per_s"] / ar_tps if ar_tps else 0.0}
+    def speed(name: str, stats: dict) -> dict:
+        """Speedups over the pooled runs, and each repeat's own (AR and HF of that same repeat)."""
+        out: dict = {"speedup_vs_ar": stats["decode_tokens_per_s"] / ar_tps if ar_tps else 0.0}
         if hf_rate:
             out["speedup_vs_hf"] = stats["decode_tokens_per_s"] / hf_rate
+        if args.repeats > 1:
+            own = [dec.tokens_per_s(rep[name]) for rep in reps]
+            out["speedup_vs_ar_repeats"] = spread(
+                [o / dec.tokens_per_s(a) for o, a in zip(own, ar_reps, strict=True)]
+            )
+            if hf_rate:
+                out["speedup_vs_hf_repeats"] = spread(
+                    [o / hf_tokens_per_s(*h) for o, h in zip(own, hf_reps, strict=True)]
+                )
         return out
 
     fixed: dict = {}
     for k in args.budgets:
         stats = pooled(runs[str(k)])
         ceiling = stats["tau"] / cost.cost(k) if k in cost.budgets else None
-        row = {**stats, **speed(stats), "ceiling_speedup_vs_ar": ceiling}
+        row = {**stats, **speed(str(k), stats), "ceiling_speedup_vs_ar": ceiling}
         row["fraction_of_ceiling"] = row["speedup_vs_ar"] / ceiling if ceiling else None
         # what a round really cost in AR rounds, next to what the profile says: where they differ, the
         # profile (or the load while it was measured) misses something the decode loop pays
@@ -239,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         stats = pooled(rs)
         budgets = [b for r in rs for b in r.budgets]
         lengths = [n for r in rs for n in r.accept_lengths]
-        row = {**stats, **speed(stats)}
+        row = {**stats, **speed(name, stats)}
         row["budgets_played"] = {str(k): n for k, n in sorted(Counter(budgets).items())}
         row["predicted_speedup_vs_ar"] = pol.predicted_speedup(budgets, lengths)
         # what the clock check saw at the end (observed/profiled seconds per budget, the costs it used):

@@ -37,10 +37,19 @@ def test_bench_budget_auto_smoke(tmp_path, monkeypatch):
     argv = ["--target", str(SMALL), "--head", str(HEAD), "--prompts", str(prompts), "--n-prompts", "2"]
     argv += ["--max-new-tokens", "12", "--budgets", "4", "8", "--skip-hf", "--cost-profile", str(prof)]
     argv += ["--calibration-prompts", str(calib), "--write-acceptance-profile", str(tmp_path / "prior.json")]
-    argv += ["--out", str(out)]
+    argv += ["--repeats", "2", "--out", str(out)]
     budget_auto.main(argv)
     res = json.loads(out.read_text())
     assert res["lossless"] is True and res["n_prompts"] == 2 and set(res["fixed"]) == {"4", "8"}
+    assert res["repeats"] == 2 and res["ar"]["rounds"] > 0
+    for row in [*res["fixed"].values(), res["auto"], res["auto_no_prior"]]:
+        reps = row["speedup_vs_ar_repeats"]
+        assert len(reps["values"]) == 2 and reps["min"] <= reps["median"] <= reps["max"]
+        assert reps["min"] == min(reps["values"]) and reps["max"] == max(reps["values"])
+    # pooled over both repeats: the same tokens decoded twice (lossless) by every configuration
+    tokens = res["ar"]["tokens"]
+    assert tokens % 2 == 0 and 2 * 2 <= tokens <= 2 * 2 * 12
+    assert all(row["tokens"] == tokens for row in [*res["fixed"].values(), res["auto"], res["auto_no_prior"]])
     for row in res["fixed"].values():
         assert {
             "tau",
