@@ -86,6 +86,17 @@ def brute_force_best(cost: CostProfile, tau: dict[int, float], min_gain: float) 
     return best
 
 
+def play_chains(pol: AutoBudget, rounds: int, drafts_accepted) -> list[int]:
+    """Play `rounds` rounds of `pol` on chain trees; round r accepts `drafts_accepted(r)` drafts (capped by
+    the tree). Returns the budgets played."""
+    played = []
+    for r in range(rounds):
+        k = pol.choose()
+        played.append(k)
+        pol.observe(DraftTree.chain(list(range(k + 1))), list(range(min(k, drafts_accepted(r)) + 1)))
+    return played
+
+
 def random_logprobs(seed: int, depths: int = 15, vocab: int = 50, peaked: bool = True) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(depths, vocab, generator=g) * (4.0 if peaked else 1.0)
@@ -471,11 +482,7 @@ def test_promising_probes_repeat_until_a_modest_gain_overturns_the_prior():
     is drafting a few rounds after the first probe instead of after a doubling schedule."""
     cost = linear_cost(0.05, 1.0)
     pol = started(AutoBudget(cost, prior_of({k: 1.0 for k in LADDER_BUDGETS if k}, rounds=100)))
-    played = []
-    for _ in range(60):
-        k = pol.choose()
-        played.append(k)
-        pol.observe(DraftTree.chain(list(range(k + 1))), list(range(min(k, 2) + 1)))
+    played = play_chains(pol, 60, lambda r: 2)
     first = played.index(pol.probe_budget())
     assert first == 16
     switched = next(i for i in range(first, len(played)) if 0 < played[i] != pol.probe_budget())
@@ -496,12 +503,8 @@ def test_an_easy_stretch_does_not_make_larger_budgets_look_better():
     cost = linear_cost(0.05, 0.3)
     pol = started(AutoBudget(cost, prior_of({1: 2.0, 2: 2.5}), check_costs=False))
     assert pol.best() == 2
-    played = []
-    for r in range(512):
-        k = pol.choose()
-        played.append(k)
-        easy = (r // 16) % 2 == 1  # the first session probe (round 16) falls in an easy stretch
-        pol.observe(DraftTree.chain(list(range(k + 1))), list(range(min(k, 2 if easy else 1) + 1)))
+    # the first session probe (round 16) falls in an easy stretch
+    played = play_chains(pol, 512, lambda r: 2 if (r // 16) % 2 == 1 else 1)
     assert played.count(pol.probe_budget()) <= 6, played
     assert sum(k >= 4 for k in played) <= 6 + 11, played
 
@@ -513,11 +516,7 @@ def test_a_probe_where_larger_trees_win_on_the_same_round_is_repeated():
     cost = linear_cost(0.05, 0.3)
     pol = started(AutoBudget(cost, prior_of({1: 1.5, 2: 2.0}, rounds=100), check_costs=False))
     assert pol.best() == 2
-    played = []
-    for _ in range(40):
-        k = pol.choose()
-        played.append(k)
-        pol.observe(DraftTree.chain(list(range(k + 1))), list(range(min(k, 6) + 1)))
+    played = play_chains(pol, 40, lambda r: 6)
     first = played.index(pol.probe_budget())
     assert played[first + 1] == pol.probe_budget() or pol.best() > 2, played
     assert pol.best() > 2, played
