@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import statistics
 import sys
 import time
 from collections import Counter
@@ -91,10 +92,12 @@ def hf_tokens_per_s(tokens: Sequence[Sequence[int]], seconds: Sequence[float]) -
 
 def spread(values: Sequence[float]) -> dict:
     """Each repeat's value, with their median, minimum and maximum."""
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-    return {"values": list(values), "median": median, "min": ordered[0], "max": ordered[-1]}
+    return {
+        "values": list(values),
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+    }
 
 
 def calibrate(backend, prompts, budget: int, width: int, eos, max_new: int) -> AcceptanceProfile:

@@ -241,11 +241,7 @@ def test_probing_recovers_from_a_pessimistic_prior():
     The first session probe measures it, and from then on the policy drafts."""
     cost = linear_cost(0.05, 0.3)
     pol = started(AutoBudget(cost, prior_of({k: 1.0 for k in LADDER_BUDGETS if k})))
-    played = []
-    for _ in range(80):
-        k = pol.choose()
-        played.append(k)
-        pol.observe(DraftTree.chain(list(range(k + 1))), list(range(min(k, 3) + 1)))
+    played = play_chains(pol, 80, lambda r: 3)
     assert played[:16] == [0] * 16 and played[16] == pol.probe_budget()
     assert all(k > 0 for k in played[17:]), played
     assert pol.best() == brute_force_best(cost, {1: 2.0, 2: 3.0, 4: 4.0}, pol.min_gain)
@@ -276,11 +272,7 @@ def test_exploration_revisits_the_next_budget_with_backoff():
     started(pol)  # session probes off: this test is about the rung above
     best = pol.best()
     assert best == 2  # tau flat from 2 on, cost rising: the smallest budget reaching tau 3
-    played = []
-    for _ in range(120):
-        k = pol.choose()
-        played.append(k)
-        pol.observe(DraftTree.chain(list(range(k + 1))), list(range(min(k, 2) + 1)))
+    played = play_chains(pol, 120, lambda r: 2)
     up = 4
     explores = [i for i, k in enumerate(played) if k == up]
     assert set(played) == {best, up}
