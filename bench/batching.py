@@ -129,6 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.backend == "onnxruntime" and args.engine_dir is None:
         p.error("--backend onnxruntime needs --engine-dir")
+    if args.requests < 1 or args.warmup < 0 or args.repeats < 1:
+        p.error("--requests and --repeats must be >= 1, --warmup >= 0")
     if "0" not in args.budgets:
         args.budgets = ["0", *args.budgets]  # the baseline and the lossless reference
 
@@ -165,7 +167,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 backend = make_backend(B)
                 policy = AutoBudget(prior=prior, cache_dir=cache_dir) if budget == "auto" else int(budget)
                 gen = SpeculativeGenerator(backend, policy, args.width, eos_token_id=eos)
-                closed_loop(gen, B, prompts[::-1], args.warmup, args.max_tokens)  # untimed
+                if args.warmup > 0:
+                    closed_loop(gen, B, prompts[::-1], args.warmup, args.max_tokens)  # untimed
                 level = closed_loop(gen, B, prompts, args.requests, args.max_tokens)
                 outputs = level.pop("_outputs")
                 if budget == "0":
