@@ -23,7 +23,20 @@ def test_bench_batching_smoke_without_warmup(tmp_path, monkeypatch):
 
     out = tmp_path / "b.json"
     argv = ["--target", str(SMALL), "--head", str(HEAD), "--batch", "1", "2", "--budgets", "4", "auto"]
-    argv += ["--requests", "3", "--warmup", "0", "--max-tokens", "6", "--n-prompts", "3", "--threads", "1", "--repeats", "1"]
+    argv += [
+        "--requests",
+        "3",
+        "--warmup",
+        "0",
+        "--max-tokens",
+        "6",
+        "--n-prompts",
+        "3",
+        "--threads",
+        "1",
+        "--repeats",
+        "1",
+    ]
     argv += ["--cache-dir", str(tmp_path / "costs"), "--out", str(out)]
     assert batching.main(argv) == 0
     res = json.loads(out.read_text())
