@@ -23,20 +23,7 @@ def test_bench_batching_smoke_without_warmup(tmp_path, monkeypatch):
 
     out = tmp_path / "b.json"
     argv = ["--target", str(SMALL), "--head", str(HEAD), "--batch", "1", "2", "--budgets", "4", "auto"]
-    argv += [
-        "--requests",
-        "3",
-        "--warmup",
-        "0",
-        "--max-tokens",
-        "6",
-        "--n-prompts",
-        "3",
-        "--threads",
-        "1",
-        "--repeats",
-        "1",
-    ]
+    argv += "--requests 3 --warmup 0 --max-tokens 6 --n-prompts 3 --threads 1 --repeats 1".split()
     argv += ["--cache-dir", str(tmp_path / "costs"), "--out", str(out)]
     assert batching.main(argv) == 0
     res = json.loads(out.read_text())
@@ -58,5 +45,6 @@ def test_bench_batching_refuses_a_run_with_no_timed_request(tmp_path, monkeypatc
     monkeypatch.syspath_prepend(str(REPO / "bench"))
     import batching
 
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as refused:
         batching.main(["--requests", "0", "--out", str(tmp_path / "x.json")])
+    assert refused.value.code == 2  # argparse's usage error, before any model is loaded
