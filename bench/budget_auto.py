@@ -195,8 +195,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ar_reps: list[list[GenerationResult]] = []
     hf_reps: list[tuple[list[list[int]], list[float]]] = []
     for rep in range(args.repeats):
-        if rep:
-            fresh_policies()
+        # every repeat, the first included, starts from new policies: the warm-up above ran through the
+        # first ones, and `auto` keeps what it saw (learn=True)
+        fresh_policies()
         runs_r: dict[str, list[GenerationResult]] = {name: [] for name in gens}
         ar_r: list[GenerationResult] = []
         hf_r: tuple[list[list[int]], list[float]] = ([], [])
