@@ -248,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "kv_len": cost.kv_len,
             "t1_ms": cost.t1 * 1e3,
             "verify_ratio": {str(n): cost.verify_ratio(n) for n in cost.nodes},
-            "draft_ratio": cost.draft_ratio,
+            "draft_ratio": {str(k): cost.draft_ratio_at(k) for k in cost.budgets},
             "cost": {str(k): cost.cost(k) for k in cost.budgets},
         },
         "acceptance_prior": None if prior is None else {"from": prior_from, **prior.to_dict()},

@@ -325,9 +325,9 @@ class CountingBackend(TorchBackend):
 
     drafts = 0
 
-    def draft(self, anchor_token: int):
+    def draft(self, anchor_token: int, depths: int | None = None):
         self.drafts += 1
-        return super().draft(anchor_token)
+        return super().draft(anchor_token, depths)
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from jetflow_pl.decoding.budget import (
     observe_round,
 )
 from jetflow_pl.decoding.cost_profile import (
+    PROFILE_VERSION,
     CostProfile,
     CostProfileMismatch,
     batch_sizes_for,
@@ -254,7 +255,8 @@ def test_profile_cache_round_trips_completes_and_refuses_another_model(tiny_targ
     path = cache_file(fingerprint(backend))
     assert path.is_file() and path.is_relative_to(tmp_path) and first.batch_sizes == [2, 4]
     loaded = CostProfile.load(path)
-    assert loaded == first and loaded.version == 2  # every field survives the JSON round trip
+    # every field survives the JSON round trip
+    assert loaded == first and loaded.version == PROFILE_VERSION == 3
 
     import jetflow_pl.decoding.cost_profile as cp
 
@@ -284,7 +286,8 @@ def test_profile_cache_round_trips_completes_and_refuses_another_model(tiny_targ
     asked.clear()
     upgraded = cost_profile_for(backend, v1, max_batch=2)
     assert asked == [[2]] and upgraded.batch_sizes == [2]
-    assert json.loads(v1.read_text())["version"] == 2 and CostProfile.load(v1).batch_sizes == [2]
+    assert json.loads(v1.read_text())["version"] == PROFILE_VERSION
+    assert CostProfile.load(v1).batch_sizes == [2]
 
     # a profile measured for another head stays refused, whatever its batch dimension
     other = TorchBackend(tiny_target, tiny_head(tiny_target, layers=2), max_batch=8)

@@ -57,11 +57,13 @@ class LimitedBackend(TorchBackend):
 def test_measured_profile_shape_and_ratios(backend):
     prof = quick(backend)
     assert prof.nodes == list(SMALL_LADDER) and prof.budgets == [0, 1, 4, 16]
-    assert prof.kv_len == 32 and prof.t1 > 0 and prof.draft_s > 0
+    assert prof.kv_len == 32 and prof.t1 > 0 and prof.draft_s[0] == 0.0 and min(prof.draft_s[1:]) > 0
+    # a tree that can grow deeper never needs a cheaper draft (the fit keeps noise from saying so)
+    assert prof.draft_s == sorted(prof.draft_s) and prof.draft_ratio == prof.draft_ratio_at(16)
     assert prof.cost(0) == 1.0
-    # a round with a draft costs the draft on top of its verify: cost(k) >= t(k+1)/t(1) + draft/t(1)
+    # a round with a draft costs its draft on top of its verify: cost(k) >= t(k+1)/t(1) + draft(k)/t(1)
     for k in (1, 4, 16):
-        assert prof.cost(k) >= prof.verify_ratio(k + 1) + prof.draft_ratio - 1e-12
+        assert prof.cost(k) >= prof.verify_ratio(k + 1) + prof.draft_ratio_at(k) - 1e-12
     with pytest.raises(ValueError, match="was not measured"):
         prof.cost(8)
     # measuring leaves the backend usable: a fresh prefill decodes as before
@@ -154,6 +156,40 @@ def test_unreadable_profiles_are_one_clear_error(tmp_path):
     )
     with pytest.raises(UserInputError, match="must start at N = 1"):
         CostProfile.load(bad)
+
+
+def test_a_version_2_profile_s_one_draft_time_stands_for_every_tree_size(tmp_path):
+    """Before drafts were cut to the tree's depth, a profile held one draft time (the full block's, which
+    every round then ran): it still loads, as that time at every N > 1."""
+    path = tmp_path / "v2.json"
+    path.write_text(
+        json.dumps(
+            {
+                "version": 2,
+                "fingerprint": {},
+                "nodes": [1, 2, 5],
+                "verify_s": [1.0, 1.5, 2.0],
+                "build_s": [0.0, 0.0, 0.0],
+                "draft_s": 0.25,
+                "kv_len": 1,
+                "repeats": 1,
+                "batch_sizes": [2],
+                "batch_nodes": [[1, 2]],
+                "batch_verify_s": [[2.0, 3.0]],
+                "batch_build_s": [[0.0, 0.0]],
+                "batch_draft_s": [0.5],
+            }
+        )
+    )
+    prof = CostProfile.load(path)
+    assert prof.draft_s == [0.0, 0.25, 0.25] and prof.batch_draft_s == [[0.0, 0.5]]
+    assert prof.cost(1) == pytest.approx(1.75) and prof.cost(4) == pytest.approx(2.25)
+    assert prof.cost(1, batch=2) == pytest.approx(1.75)
+    data = json.loads(path.read_text())
+    data["draft_s"] = [0.0, 0.25]  # a list must have one time per tree size
+    path.write_text(json.dumps(data))
+    with pytest.raises(UserInputError, match="one draft time per tree size"):
+        CostProfile.load(path)
 
 
 def test_ladder_leaves_room_in_the_context(backend):

@@ -121,8 +121,8 @@ class OracleBackend(TorchBackend):
         self.seq = continuation
         self.prompt_len = prompt_len
 
-    def draft(self, anchor_token: int) -> torch.Tensor:
-        super().draft(anchor_token)  # keep the head's context bookkeeping exercised
+    def draft(self, anchor_token: int, depths: int | None = None) -> torch.Tensor:
+        super().draft(anchor_token, depths)  # keep the head's context bookkeeping exercised
         d = self.block_size - 1
         start = self.past_len - self.prompt_len + 1  # index of the token after the anchor
         lp = torch.full((d, TINY_VOCAB), -1e4)

@@ -1,8 +1,9 @@
 """What one decode round costs on this machine: the cost half of choosing a draft budget.
 
 A speculative round at budget k costs one target verify of `N = k + 1` tree nodes plus one head draft
-(head forward + the target's lm_head over the draft depths) plus building the tree; an AR step costs a
-1-node verify. `budget="auto"` (`budget.py`) needs these costs *relative* to an AR step, t(N)/t(1) and
+(head forward + the target's lm_head over the draft depths: a causal head drafts only the min(k, B-1)
+depths a budget-k tree can reach, so the draft is timed per tree size too) plus building the tree; an AR
+step costs a 1-node verify. `budget="auto"` (`budget.py`) needs these costs *relative* to an AR step, t(N)/t(1) and
 draft/t(1), because the best budget is where expected tokens per round divided by relative round cost
 peaks. Those ratios depend on the hardware and the model (on a 2-core CPU t(17)/t(1) is ~2.2 for a 135M
 target; on a GPU it stays near 1 to N = 64 and beyond), so they are measured, once, by the decode backend
@@ -64,9 +65,10 @@ MAX_INNER_ROUNDS = 8
 MIN_SAMPLE_SECONDS = 0.03
 #: `CostProfile.spread` above this flags a profile measured under load
 NOISY_SPREAD = 0.35
-PROFILE_VERSION = 2
-#: versions `CostProfile.load` reads (1: no batch dimension; its batch sizes are measured when needed)
-READABLE_VERSIONS = (1, 2)
+PROFILE_VERSION = 3
+#: versions `CostProfile.load` reads (1: no batch dimension, its batch sizes are measured when needed;
+#: 1 and 2: one draft time for every tree size, the full block's)
+READABLE_VERSIONS = (1, 2, 3)
 #: the batch sizes a profile covers when nobody says how many requests decode together
 DEFAULT_MEASURED_BATCH = 8
 #: most rows (B x N) of one measured batched verify: bounds the measurement's time and memory
@@ -75,8 +77,10 @@ MAX_BATCH_TOKENS = 2048
 BATCH_REPEATS = 3
 #: revision of what the backends compute per round, part of the fingerprint: bumped when a change to a
 #: backend's compute changes what a round costs, so profiles measured before it are measured again
-#: (2: the draft's lm_head runs as the transposed product for a few rows, `TargetModel.few_row_logits`)
-COST_REVISION = 2
+#: (2: the draft's lm_head runs as the transposed product for a few rows, `TargetModel.few_row_logits`;
+#: 3: a causal head drafts only the depths the round's trees can reach, `SequenceBackend.block_rows`, and
+#: a ragged batch's KV commit moves only the kept rows, `KVGroup.commit`)
+COST_REVISION = 3
 #: config keys that do not change what a forward computes (paths, versions, bookkeeping)
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "architectures", "dtype", "torch_dtype")
 
@@ -188,15 +192,16 @@ class CostProfile:
 
     nodes[i]: a tree size N; verify_s[i]: one verify of N nodes + the greedy acceptance walk + commit
     (N = 1 is one AR step, t(1)); build_s[i]: building the budget N-1 tree from draft log-probs;
-    draft_s: one head draft (head forward + lm_head over the draft depths). `cost(k)` is the ratio the
-    budget chooser uses.
+    draft_s[i]: the head draft that tree needs (head forward + lm_head over its depths; 0 at N = 1; a
+    file of version 1 or 2 holds one number, the full block's draft, which stands for every N). `cost(k)`
+    is the ratio the budget chooser uses.
     """
 
     fingerprint: dict[str, Any]
     nodes: list[int]
     verify_s: list[float]
     build_s: list[float]
-    draft_s: float
+    draft_s: list[float]
     kv_len: int
     repeats: int
     name: str = ""
@@ -209,12 +214,13 @@ class CostProfile:
     load_average: float | None = None
     #: batch sizes B > 1 measured (increasing); per B: its tree sizes (from 1), the seconds of one batched
     #: verify of B trees of N nodes (N = 1: B AR steps batched, t(B, 1)), of building the B trees, and of
-    #: one batched draft. Empty: no batch dimension (a version-1 file, or a backend of one sequence)
+    #: the batched draft they need (per N, as `draft_s`). Empty: no batch dimension (a version-1 file, or a
+    #: backend of one sequence)
     batch_sizes: list[int] = field(default_factory=list)
     batch_nodes: list[list[int]] = field(default_factory=list)
     batch_verify_s: list[list[float]] = field(default_factory=list)
     batch_build_s: list[list[float]] = field(default_factory=list)
-    batch_draft_s: list[float] = field(default_factory=list)
+    batch_draft_s: list[list[float]] = field(default_factory=list)
     source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -224,7 +230,8 @@ class CostProfile:
             raise UserInputError("a cost profile needs one verify and one build time per tree size")
         if any(b <= a for a, b in pairwise(self.nodes)):
             raise UserInputError(f"cost profile tree sizes must increase, got {self.nodes}")
-        if not all(t > 0 for t in self.verify_s) or self.draft_s < 0 or any(t < 0 for t in self.build_s):
+        self.draft_s = _per_size(self.draft_s, self.nodes, "draft_s")
+        if not all(t > 0 for t in self.verify_s) or min(self.draft_s) < 0 or any(t < 0 for t in self.build_s):
             raise UserInputError("cost profile times must be positive")
         rows = (self.batch_nodes, self.batch_verify_s, self.batch_build_s, self.batch_draft_s)
         if any(len(r) != len(self.batch_sizes) for r in rows):
@@ -233,6 +240,7 @@ class CostProfile:
             )
         if any(b <= a for a, b in pairwise(self.batch_sizes)) or any(b < 2 for b in self.batch_sizes):
             raise UserInputError(f"cost profile batch sizes must be > 1 and increase, got {self.batch_sizes}")
+        drafts = []
         for b, nodes, verify, build, draft in zip(self.batch_sizes, *rows, strict=True):
             if not nodes or nodes[0] != 1 or any(y <= x for x, y in pairwise(nodes)):
                 raise UserInputError(f"cost profile tree sizes at batch {b} must start at 1 and increase")
@@ -240,8 +248,10 @@ class CostProfile:
                 raise UserInputError(
                     f"cost profile at batch {b}: one verify and one build time per tree size"
                 )
-            if not all(t > 0 for t in verify) or draft < 0 or any(t < 0 for t in build):
+            drafts.append(_per_size(draft, nodes, f"batch_draft_s at batch {b}"))
+            if not all(t > 0 for t in verify) or min(drafts[-1]) < 0 or any(t < 0 for t in build):
                 raise UserInputError(f"cost profile times at batch {b} must be positive")
+        self.batch_draft_s = drafts
 
     # ---- ratios -----------------------------------------------------------------------------------
     @property
@@ -256,8 +266,12 @@ class CostProfile:
 
     @property
     def draft_ratio(self) -> float:
-        """Head draft cost relative to one AR step."""
-        return self.draft_s / self.t1
+        """The full block's head draft (the largest tree size's) relative to one AR step."""
+        return self.draft_s[-1] / self.t1
+
+    def draft_ratio_at(self, budget: int) -> float:
+        """The head draft a budget-`budget` round needs, relative to one AR step (0 at budget 0)."""
+        return self.draft_s[self._index(budget + 1)] / self.t1
 
     def verify_ratio(self, n: int) -> float:
         """t(N)/t(1) for a measured N."""
@@ -271,7 +285,7 @@ class CostProfile:
             return 1.0
         if batch <= 1:
             i = self._index(budget + 1)
-            return (self.verify_s[i] + self.draft_s + self.build_s[i]) / self.t1
+            return (self.verify_s[i] + self.draft_s[i] + self.build_s[i]) / self.t1
         nodes, verify, build, draft, scale = self._batch_row(batch)
         try:
             i = nodes.index(int(budget) + 1)
@@ -279,7 +293,7 @@ class CostProfile:
             raise ValueError(
                 f"tree size {budget + 1} was not measured at batch {batch} (measured: {nodes})"
             ) from None
-        return scale * (verify[i] + draft + build[i]) / verify[0]
+        return scale * (verify[i] + draft[i] + build[i]) / verify[0]
 
     def budgets_at(self, batch: int) -> list[int]:
         """The budgets whose cost is known at `batch` requests per round."""
@@ -305,7 +319,7 @@ class CostProfile:
             return None
         return self.batch_verify_s[self.batch_sizes.index(batch)][0] / self.t1
 
-    def _batch_row(self, batch: int) -> tuple[list[int], list[float], list[float], float, float]:
+    def _batch_row(self, batch: int) -> tuple[list[int], list[float], list[float], list[float], float]:
         """(tree sizes, verify s, build s, draft s, scale) for `batch`: the smallest measured batch size
         >= it (costs grow with B, so this errs toward AR), or above the largest measured one its costs
         times `batch / B_max` (an upper bound: a forward of B rows costs at most B / B_max forwards of
@@ -344,14 +358,17 @@ class CostProfile:
     def summary(self) -> str:
         """One line: t(1), t(N)/t(1) per N, the draft ratio, and a warning when the samples were noisy."""
         ratios = " ".join(f"{n}:{self.verify_ratio(n):.2f}" for n in self.nodes[1:])
-        line = f"t(1) {self.t1 * 1e3:.2f} ms; t(N)/t(1) {ratios}; draft {self.draft_ratio:.2f} t(1)"
+        drafts = " ".join(
+            f"{n}:{d / self.t1:.2f}" for n, d in zip(self.nodes[1:], self.draft_s[1:], strict=True)
+        )
+        line = f"t(1) {self.t1 * 1e3:.2f} ms; t(N)/t(1) {ratios}; draft/t(1) {drafts}"
         for b, nodes, verify, draft in zip(
             self.batch_sizes, self.batch_nodes, self.batch_verify_s, self.batch_draft_s, strict=True
         ):
             per = " ".join(f"{n}:{v / verify[0]:.2f}" for n, v in zip(nodes[1:], verify[1:], strict=True))
             line += (
                 f"; batch {b}: t({b},1) {verify[0] / self.t1:.2f} t(1), t({b},N)/t({b},1) {per}, "
-                f"draft {draft / verify[0]:.2f}"
+                f"full draft {draft[-1] / verify[0]:.2f}"
             )
         if self.noisy:
             load = f", load average {self.load_average:.1f}" if self.load_average is not None else ""
@@ -478,7 +495,7 @@ def measure_cost_profile(
         if n > 1:
             _sync(device)
             t0 = time.perf_counter()
-            lp = backend.draft(anchor)
+            lp = backend.draft(anchor, n - 1)  # the depths a budget n-1 tree can reach, as decoding asks
             check_finite(lp, "the draft head", "while measuring costs", "")  # as the decode loop does
             float(lp[0, 0])  # waits for the device, as the tree builder's host copy does
             t1 = time.perf_counter()
@@ -509,7 +526,7 @@ def measure_cost_profile(
     t1: list[float] = []
     ratio: dict[int, list[float]] = {n: [] for n in ladder if n > 1}
     build: dict[int, list[float]] = {n: [] for n in ladder if n > 1}
-    draft: list[float] = []
+    draft: dict[int, list[float]] = {n: [] for n in ladder if n > 1}
     for rep in range(repeats):
         backend.prefill(prompt)
         for n in ladder if rep % 2 == 0 else ladder[::-1]:
@@ -521,14 +538,14 @@ def measure_cost_profile(
                 d_s, b_s, v_s = one_round(n)
                 ratio[n].append(v_s / a)
                 build[n].append(b_s / a)
-                draft.append(d_s / a)
+                draft[n].append(d_s / a)
     base = min(t1)
     # a verify of more nodes is never cheaper: fit the medians non-decreasing in N and >= t(1), so noise
     # cannot make a large tree look cheaper than a small one (the first value stays exactly 1)
     medians = [1.0, *(max(1.0, statistics.median(ratio[n])) for n in ladder[1:])]
     verify_s = [base * r for r in isotonic(medians)]
     build_s = [0.0 if n == 1 else base * statistics.median(build[n]) for n in ladder]
-    draft_s = base * statistics.median(draft) if draft else 0.0
+    draft_s = _draft_seconds(ladder, draft, base)
     spreads = [_relative_iqr(ratio[n]) for n in ladder[1:] if len(ratio[n]) >= 4]
     fp = fingerprint(backend)
     batched = measure_batch_costs(
@@ -619,7 +636,7 @@ def measure_batch_costs(
         base: list[float] = []
         ratio: dict[int, list[float]] = {n: [] for n in sizes[1:]}
         build: dict[int, list[float]] = {n: [] for n in sizes[1:]}
-        draft: list[float] = []
+        draft: dict[int, list[float]] = {n: [] for n in sizes[1:]}
         for rep in range(repeats):
             _prefill_slots(backend, slots, prompt)
             for n in sizes[1:] if rep % 2 == 0 else sizes[:0:-1]:
@@ -629,7 +646,7 @@ def measure_batch_costs(
                     d_s, b_s, v_s = one_round(n)
                     ratio[n].append(v_s / a)
                     build[n].append(b_s / a)
-                    draft.append(d_s / a)
+                    draft[n].append(d_s / a)
             if len(sizes) == 1:
                 base.append(one_round(1)[2])
         for s in slots:
@@ -640,8 +657,25 @@ def measure_batch_costs(
         out["nodes"].append(sizes)
         out["verify_s"].append([t_b1 * r for r in isotonic(medians)])
         out["build_s"].append([0.0 if n == 1 else t_b1 * statistics.median(build[n]) for n in sizes])
-        out["draft_s"].append(t_b1 * statistics.median(draft) if draft else 0.0)
+        out["draft_s"].append(_draft_seconds(sizes, draft, t_b1))
     return out
+
+
+def _per_size(draft: Any, nodes: Sequence[int], name: str) -> list[float]:
+    """Draft seconds per tree size: a list as it is; one number (a version 1 or 2 file: the full block's
+    draft, which every round then ran) for every N > 1, 0 at N = 1 (an AR step drafts nothing)."""
+    if isinstance(draft, (int, float)):
+        return [0.0 if n == 1 else float(draft) for n in nodes]
+    if not isinstance(draft, list) or len(draft) != len(nodes):
+        raise UserInputError(f"cost profile {name} needs one draft time per tree size ({len(nodes)})")
+    return [float(x) for x in draft]
+
+
+def _draft_seconds(sizes: Sequence[int], ratios: dict[int, list[float]], base: float) -> list[float]:
+    """Per tree size, the median draft/AR ratio times `base` (0 at N = 1), never decreasing in N (a tree
+    that can grow deeper needs at least as many drafted depths): pairs of noisy medians are fit."""
+    medians = [statistics.median(ratios[n]) if ratios.get(n) else 0.0 for n in sizes[1:]]
+    return [0.0, *(base * r for r in isotonic(medians))]
 
 
 def _prefill_slots(backend: Any, slots: Sequence[int], prompt: torch.Tensor) -> None:
@@ -660,7 +694,7 @@ def _batched_round(
     if n > 1:
         _sync(device)
         t0 = time.perf_counter()
-        lps = backend.draft_batch(slots, [anchor] * len(slots))
+        lps = backend.draft_batch(slots, [anchor] * len(slots), n - 1)
         check_finite(lps[0], "the draft head", "while measuring costs", "")
         float(lps[0][0, 0])  # waits for the device, as the tree builder's host copy does
         t1 = time.perf_counter()

@@ -88,8 +88,10 @@ class SingleSequence:
     def prefill(self, prompt_ids: torch.Tensor, slot: int = 0) -> torch.Tensor:
         return self.backend.prefill(prompt_ids)
 
-    def draft_batch(self, slots: Sequence[int], anchors: Sequence[int]) -> list[torch.Tensor]:
-        return [self.backend.draft(int(anchors[0]))]
+    def draft_batch(
+        self, slots: Sequence[int], anchors: Sequence[int], depths: int | None = None
+    ) -> list[torch.Tensor]:
+        return [self.backend.draft(int(anchors[0]), depths)]
 
     def refine(self, tree: DraftTree) -> torch.Tensor:
         return self.backend.refine(tree)

@@ -197,7 +197,13 @@ class SpeculativeGenerator:
         past = [batch.past_length(s) for s in slots]
         depth = [batch.max_positions - 1 - p for p in past]
         drafting = [k > 0 and d >= 1 for k, d in zip(budgets, depth, strict=True)]
-        lps = batch.draft_batch(slots, [r.token for r in requests]) if any(drafting) else None
+        lps = None
+        if any(drafting):
+            # the deepest any tree of this round can grow (a budget-k tree is at most k deep; refinement
+            # builds its candidates at refine_factor x k): a causal head drafts only that far
+            grow = max(self.refine_factor, 1)
+            need = max(min(grow * k, d) for k, d, on in zip(budgets, depth, drafting, strict=True) if on)
+            lps = batch.draft_batch(slots, [r.token for r in requests], need)
         trees = [
             self._tree(batch, lps[i][: depth[i]], r.token, budgets[i], past[i])
             if drafting[i]

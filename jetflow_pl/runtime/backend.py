@@ -51,8 +51,10 @@ class DecodeBackend(Protocol):
         """Reset all state, run the prompt `[T]` through the target; return the last position's logits `[V]`."""
         ...
 
-    def draft(self, anchor_token: int) -> torch.Tensor:
-        """One head forward on `[anchor, MASK...]` at `past_len`; return log-probs `[B-1, V]`."""
+    def draft(self, anchor_token: int, depths: int | None = None) -> torch.Tensor:
+        """One head forward on `[anchor, MASK...]` at `past_len`; return log-probs `[D, V]` of depths 1..D:
+        D = B-1, or at least `depths` of them when the caller needs no more (a causal head drafts depth
+        d from the block's first d+1 rows alone, so the block can be cut there: `SequenceBackend`)."""
         ...
 
     def verify(self, tree: DraftTree) -> torch.Tensor:
@@ -98,8 +100,10 @@ class BatchDecodeBackend(Protocol):
         """One prefill chunk: append `ids` to `slot` (not decoding yet); return the last row's logits."""
         ...
 
-    def draft_batch(self, slots: Sequence[int], anchors: Sequence[int]) -> list[torch.Tensor]:
-        """ONE head forward: per-depth log-probs `[B-1, V]` per request."""
+    def draft_batch(
+        self, slots: Sequence[int], anchors: Sequence[int], depths: int | None = None
+    ) -> list[torch.Tensor]:
+        """ONE head forward: per-depth log-probs `[D, V]` per request (`depths`: as `draft`)."""
         ...
 
     def verify_batch(self, slots: Sequence[int], trees: Sequence[DraftTree]) -> list[torch.Tensor]:

@@ -84,6 +84,17 @@ class GraphBackend(SequenceBackend):
         return int(self.config["block_size"])
 
     @property
+    def causal_head(self) -> bool:
+        return bool(self.config["causal_head"])
+
+    def _block_mask_rows(self, q: int) -> Tensor:
+        """The packed in-block mask `[q, ceil(q/32)]` of a block cut to its first `q` rows (a causal row
+        sets no bit at or past `q`, so the first rows and words of the full mask are the cut block's)."""
+        if q == self.block_size:
+            return self._block_mask
+        return self._block_mask[:q, : (q + 31) // 32].contiguous()
+
+    @property
     def mask_token_id(self) -> int:
         return int(self.config["mask_token_id"])
 
@@ -141,7 +152,7 @@ class GraphBackend(SequenceBackend):
             "context_positions": step.context_positions,
             "block_ids": step.block_ids,
             "block_positions": step.block_positions,
-            "block_mask": self._block_mask,
+            "block_mask": self._block_mask_rows(int(step.block_ids.shape[1])),
         }
         if self.batched:
             dev = self.device

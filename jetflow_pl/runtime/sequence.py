@@ -8,11 +8,15 @@ decoding batch (`backend.BatchDecodeBackend`: the same calls over a list of slot
   `max_prefill_rows` where a runtime's profile bounds the rows per forward; `extend` is one chunk, so a
   scheduler can interleave a joining request's prefill with the others' rounds), keep every row, queue
   the prompt's taps for the head; return the last position's logits. A slot is prefilled on its own.
-* `draft_batch(slots, anchors)`: per request the block `[anchor, MASK * (B-1)]` at `past_len + k`; ONE
-  head forward over every request reads each one's queued taps (each committed position is projected into
-  the head's KV cache exactly once; requests with fewer new rows are padded and the padding is invisible)
-  and returns per-depth log-probs `[B-1, V]` per request (a runtime that keeps the head's top-k scatters
-  it into a `-inf` row first).
+* `draft_batch(slots, anchors, depths)`: per request the block `[anchor, MASK * (B-1)]` at `past_len + k`;
+  ONE head forward over every request reads each one's queued taps (each committed position is projected
+  into the head's KV cache exactly once; requests with fewer new rows are padded and the padding is
+  invisible) and returns per-depth log-probs `[B-1, V]` per request (a runtime that keeps the head's
+  top-k scatters it into a `-inf` row first). With `depths` and a causal head the block is cut to its
+  first `depths + 1` rows: under the causal in-block mask row d sees rows 0..d only, so depths 1..`depths`
+  come out the same (up to the float rounding of other GEMM shapes) while the head's layers and its
+  lm_head run over fewer rows; a tree of budget k is never deeper than k, so a small budget pays for a
+  short draft only. A bidirectional head's rows see the whole block: it always drafts all of it.
 * `verify_batch(slots, trees)`: ONE target forward over every request's tree (own size, own KV length:
   TensorRT-LLM's packed mask, generation lengths and position offsets, `jetflow_pl.masks.pack_tree_batch`)
   at `past_len + depth`; the nodes' K/V are staged, their taps held back.
@@ -381,10 +385,26 @@ class SequenceBackend:
             return logits[0, -1]
 
     # ------------------------------------------------------------------ one round, batched
+    @property
+    def causal_head(self) -> bool:
+        """Whether the head's in-block mask is causal (then a draft may be cut short: module docstring)."""
+        return False
+
+    def block_rows(self, depths: int | None = None) -> int:
+        """Rows of the draft block that give depths 1..`depths` (all `block_size` of them when `depths`
+        is None or the head is bidirectional)."""
+        b = self.block_size
+        if depths is None or not self.causal_head:
+            return b
+        return min(b, max(1, int(depths)) + 1)
+
     @torch.no_grad()
-    def draft_batch(self, slots: Sequence[int], anchors: Sequence[int]) -> list[Tensor]:
+    def draft_batch(
+        self, slots: Sequence[int], anchors: Sequence[int], depths: int | None = None
+    ) -> list[Tensor]:
         """ONE head forward for the decoding batch `slots`: per request the block `[anchor, MASK...]` at
-        its `past_len`; returns per-depth log-probs `[B-1, V]` per request (in `slots` order)."""
+        its `past_len`; returns per-depth log-probs `[D, V]` per request (in `slots` order), D = B-1 or,
+        for a causal head, `min(B-1, depths)` (module docstring)."""
         if self.head_kv is None:
             raise RuntimeError("this backend has no draft head: only autoregressive decoding is possible")
         slots = list(slots)
@@ -397,7 +417,13 @@ class SequenceBackend:
             contexts = [self.queue(s).peek() for s in rows]
             if any(c is None for c in contexts):
                 raise RuntimeError("draft() needs new context rows: call prefill() or commit() first")
-            step = self._head_step(rows, [anchor_of[s] for s in rows], contexts, group)  # type: ignore[arg-type]
+            step = self._head_step(
+                rows,
+                [anchor_of[s] for s in rows],
+                contexts,  # type: ignore[arg-type]
+                group,
+                self.block_rows(depths),
+            )
             logprobs, present = self._forward_head(step, group)
             t = int(step.context_taps.shape[1])
             group.stage(t, present)
@@ -407,9 +433,15 @@ class SequenceBackend:
         return [logprobs[rows.index(s)] for s in slots]
 
     def _head_step(
-        self, rows: list[int], anchors: list[int], contexts: list[tuple[Tensor, Tensor]], group: KVGroup
+        self,
+        rows: list[int],
+        anchors: list[int],
+        contexts: list[tuple[Tensor, Tensor]],
+        group: KVGroup,
+        b: int,
     ) -> HeadStep:
-        b, r, dev = self.block_size, len(rows), self.device
+        """The head forward over `group`'s rows: their queued context, then a draft block of `b` rows."""
+        r, dev = len(rows), self.device
         block = torch.full((r, b), self.mask_token_id, dtype=torch.long, device=dev)
         block[:, 0] = torch.tensor(anchors, dtype=torch.long, device=dev)
         past = torch.tensor([self.kv.length(s) for s in rows], dtype=torch.long, device=dev)
@@ -468,9 +500,9 @@ class SequenceBackend:
                     self._queue(s, taps.index_select(1, keep_of[s].to(taps.device)), past[s])
 
     # ------------------------------------------------------------------ the batch-1 protocol (slot 0)
-    def draft(self, anchor_token: int) -> Tensor:
-        """One head forward on `[anchor, MASK...]` at `past_len`; return log-probs `[B-1, V]`."""
-        return self.draft_batch([0], [anchor_token])[0]
+    def draft(self, anchor_token: int, depths: int | None = None) -> Tensor:
+        """One head forward on `[anchor, MASK...]` at `past_len`; return log-probs `[D, V]` (`draft_batch`)."""
+        return self.draft_batch([0], [anchor_token], depths)[0]
 
     def verify(self, tree: DraftTree) -> Tensor:
         """One target forward over every tree node under the tree-causal mask; return logits `[N, V]`."""

@@ -75,6 +75,10 @@ class TorchBackend(SequenceBackend):
         return int(self.head.config.block_size) if self.head is not None else 1
 
     @property
+    def causal_head(self) -> bool:
+        return self.head is not None and bool(self.head.config.causal_head)
+
+    @property
     def mask_token_id(self) -> int:
         return self._mask_token_id
 

@@ -71,8 +71,10 @@ class FaultGuard:
     def extend(self, slot: int, ids: torch.Tensor) -> torch.Tensor:
         return self._check(slot, self.inner.extend(slot, ids), "the target (prompt logits)")
 
-    def draft_batch(self, slots: Sequence[int], anchors: Sequence[int]) -> list[torch.Tensor]:
-        out = self.inner.draft_batch(slots, anchors)
+    def draft_batch(
+        self, slots: Sequence[int], anchors: Sequence[int], depths: int | None = None
+    ) -> list[torch.Tensor]:
+        out = self.inner.draft_batch(slots, anchors, depths)
         return [self._check(s, x, "the draft head") for s, x in zip(slots, out, strict=True)]
 
     def verify_batch(self, slots: Sequence[int], trees: Sequence[Any]) -> list[torch.Tensor]:
