@@ -205,6 +205,39 @@ def test_without_prior_a_batch_probes_at_its_own_cost_then_learns():
     assert pol.best_batch(reqs) > 0
 
 
+def test_no_probe_or_exploration_where_even_k_plus_1_tokens_could_not_pay():
+    """On the CPU profile at B=8 a round of budget k costs 1.2 + k batched AR steps: no budget can pay
+    even if every request accepted its whole tree, so a session deep into its rounds (the prior says so
+    too) must play AR every round. Without the upper-bound check the probe schedule played the largest
+    budget costing at most `probe_cost` AR steps every 16-1024 rounds, at a loss each time."""
+    pol = started(AutoBudget(CPU, prior()))
+    reqs = fresh(8)
+    played = []
+    for _ in range(300):
+        k = choose_round_budget(pol, reqs)
+        played.append(k)
+        trees = [DraftTree.chain(list(range(k + 1))) for _ in reqs]
+        observe_round(pol, trees, [list(range(min(k, 2) + 1))] * 8)
+    assert set(played) == {0}
+    assert pol.probe_budget(8) > 0  # a probe budget exists: it is the bound that keeps it unplayed
+
+
+def test_the_upper_bound_is_tight_with_evidence_and_loosens_as_it_ages():
+    pol = started(AutoBudget(GPU, prior(), memory=64))
+    assert pol.optimistic_tau(16, 3.0) == 17.0  # never observed: anything up to k + 1 tokens
+    reqs = fresh(4)
+    for _ in range(20):  # budget-16 trees, accept lengths 3 and 4 alternating per request
+        trees = [DraftTree.chain(list(range(17))) for _ in reqs]
+        pol.observe_batch(trees, [list(range(3 + (i % 2))) for i in range(4)])
+        pol._batch = None
+    n, var = pol.stats.count(16), pol.stats.variance(16)
+    assert n == 64 and var == pytest.approx(0.25)  # 80 request-rounds faded to `memory`
+    fresh_bound = pol.optimistic_tau(16, 3.5)
+    assert fresh_bound == pytest.approx(3.5 + 2.0 * (0.25 / 64) ** 0.5)
+    pol._session_round += 64  # 64 rounds without seeing budget 16: its rounds count half
+    assert pol.optimistic_tau(16, 3.5) == pytest.approx(3.5 + 2.0 * (0.25 / 32) ** 0.5)
+
+
 # ------------------------------------------------------------------------------------------ measuring and caching
 def tiny_head(target: TargetModel, layers: int = 1) -> DraftHead:
     torch.manual_seed(0)
