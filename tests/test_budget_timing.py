@@ -148,10 +148,14 @@ def test_slow_ar_rounds_never_make_trees_cheaper_than_the_profile():
     the ratio allowed below 1, the spike's AR times against the quiet tree times would put budget 2 at
     3.3 / 1.5 = 2.2 AR steps (speed 1.36), the policy would speculate at a real 0.91x, and the window of AR
     times would only be flushed by AR check rounds whose intervals double (what happened on SmolLM2: 50
-    rounds of budget 8 at 0.73x AR). The clock may only raise costs."""
+    rounds of budget 8 at 0.73x AR). The clock may only raise costs. (`probe_cost` 8 makes the probe
+    budget 8, costing 6.3 AR steps: a budget whose round could pay were all 8 drafts accepted, so the
+    schedule plays it; with the default the probe would be budget 2, which cannot pay even then and is
+    never played.)"""
     prof = profile(slope=0.5, draft=1.3)  # cost(k) = 2.3 + k/2
     assert prof.cost(2) == pytest.approx(3.3)
-    pol = started(AutoBudget(prof, prior(), explore_every=10**6, probe_every=4))
+    pol = started(AutoBudget(prof, prior(), explore_every=10**6, probe_every=4, probe_cost=8.0))
+    assert pol.probe_budget() == 8
     assert pol.best() == 0
     run_rounds(pol, lambda k: prof.cost(k), 40)  # probes time trees at their profile cost
     timed = pol.timing_report()["1"]

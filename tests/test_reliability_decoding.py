@@ -163,8 +163,8 @@ def test_mask_token_at_the_end_of_the_vocabulary(tiny):
     backend = TorchBackend(target, make_head(target, mask_token_id=TINY_VOCAB - 1))
     real_draft = backend.draft
 
-    def mask_heavy(anchor: int) -> torch.Tensor:
-        lp = real_draft(anchor).clone()
+    def mask_heavy(anchor: int, depths: int | None = None) -> torch.Tensor:
+        lp = real_draft(anchor, depths).clone()
         lp[:, MASK_ID] = 0.0  # the mask token becomes every depth's favourite draft token
         return lp
 

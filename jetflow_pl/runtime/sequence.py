@@ -21,7 +21,7 @@ decoding batch (`backend.BatchDecodeBackend`: the same calls over a list of slot
   TensorRT-LLM's packed mask, generation lengths and position offsets, `jetflow_pl.masks.pack_tree_batch`)
   at `past_len + depth`; the nodes' K/V are staged, their taps held back.
 * `commit_batch(slots, accepted)`: per request, keep the committed rows plus its root path's, in that
-  order (one gather for the batch), and queue their taps.
+  order (only the kept rows move, `KVGroup.commit`), and queue their taps.
 * `release(slot)`: a finished request's rows are freed at once; the batch stays dense.
 
 The state of a request is its slot in two `KVStore`s (target, head) plus a `TapQueue`; the store kind is
@@ -482,7 +482,7 @@ class SequenceBackend:
     @torch.no_grad()
     def commit_batch(self, slots: Sequence[int], accepted: Sequence[Sequence[int]]) -> None:
         """Per request, keep the KV rows of its accepted root path (node ids, root first) after its
-        committed rows (one gather for the batch); queue their taps for the head."""
+        committed rows (only the kept rows move); queue their taps for the head."""
         slots = list(slots)
         if any(s not in self._verified for s in slots):
             raise RuntimeError("commit() without a preceding verify()")
