@@ -286,6 +286,25 @@ def test_backend_bookkeeping_matches_onnxruntime_backend(portable_engine_dir, pa
 
 
 @needs_export
+def test_backend_drafts_a_cut_block_into_its_preallocated_buffers(portable_engine_dir, parity_prompts):
+    """At budget 2 a causal head drafts 3 block rows, not the whole block: the backend must hand the engine
+    output views of that shape (the stand-in checks every output's shape against its buffer, as TensorRT
+    does) and decode exactly as ONNX Runtime does."""
+    from jetflow_pl.decoding.generator import SpeculativeGenerator
+    from jetflow_pl.runtime.ort_backend import OnnxRuntimeBackend
+
+    reference = OnnxRuntimeBackend(portable_engine_dir, intra_op_threads=1)
+    backend = stand_in_backend(portable_engine_dir, max_tree=40)
+    assert backend.causal_head and backend.block_rows(2) == 3 < backend.block_size
+    for prompt in parity_prompts[:2]:
+        want = SpeculativeGenerator(reference, budget=2, width=4, eos_token_id=1).generate(prompt, 24)
+        got = SpeculativeGenerator(backend, budget=2, width=4, eos_token_id=1).generate(prompt, 24)
+        assert got.tokens == want.tokens and got.accept_lengths == want.accept_lengths
+    blocks = [c["block_ids"][1] for c in backend._head.calls]
+    assert blocks and set(blocks) == {3}
+
+
+@needs_export
 def test_backend_refuses_a_tree_larger_than_the_profile(portable_engine_dir):
     from jetflow_pl.decoding.generator import SpeculativeGenerator
     from jetflow_pl.tree import DraftTree

@@ -304,14 +304,18 @@ class TensorRTBackend(GraphBackend):
 
     def run_head(self, feeds: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         present_keys, present_values = self.head_kv.present(int(feeds["context_taps"].shape[1]))
+        # a causal head's draft may be cut to its first q rows (`SequenceBackend.block_rows`): the leading
+        # q rows of the batch-1 buffers are a dense view of that shape
+        q = int(feeds["block_ids"].shape[1])
+        values, ids = self._topk_values[:, :q], self._topk_ids[:, :q]
         outs = {
-            "topk_logprobs": self._topk_values,
-            "topk_ids": self._topk_ids,
+            "topk_logprobs": values,
+            "topk_ids": ids,
             "present_keys": present_keys,
             "present_values": present_values,
         }
         self._head.run(self._inputs(self._head, feeds), outs, self._stream())
-        return self._topk_values, self._topk_ids, present_keys, present_values
+        return values, ids, present_keys, present_values
 
 
 def tensorrt_available() -> str | None:
