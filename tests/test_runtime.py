@@ -77,14 +77,18 @@ def _run_schedule(store, slot: int = 0) -> None:
         store.commit(None if keep is None else torch.tensor(keep), slot=slot)
 
 
-def _committed(store, slot: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _group_rows(store, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """A group's committed K/V, `[L, R, H, P, D]`."""
     if isinstance(store, (TensorKVStore, BufferKVStore)):
-        return store.past(slot)
-    cache = store.cache(slot)
+        return group.past()
+    cache = group.cache()
     if isinstance(store, HFCacheStore):
-        layers = cache.layers
-        return torch.stack([x.keys for x in layers]), torch.stack([x.values for x in layers])
+        return torch.stack([x.keys for x in cache.layers]), torch.stack([x.values for x in cache.layers])
     return torch.stack(cache.keys), torch.stack(cache.values)
+
+
+def _committed(store, slot: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    return _group_rows(store, store.group(slot))
 
 
 def _stores(num_slots: int = 1) -> dict:
@@ -145,16 +149,6 @@ def _batch_forward(store, group, n: int, seed: int) -> tuple[torch.Tensor, torch
             cache.append(layer, k[layer], v[layer])
     group.stage(n)
     return k, v
-
-
-def _group_rows(store, group) -> tuple[torch.Tensor, torch.Tensor]:
-    """The group's committed K/V, `[L, R, H, P, D]`."""
-    if isinstance(store, TensorKVStore):
-        return group.past()
-    cache = group.cache()
-    if isinstance(store, HFCacheStore):
-        return torch.stack([x.keys for x in cache.layers]), torch.stack([x.values for x in cache.layers])
-    return torch.stack(cache.keys), torch.stack(cache.values)
 
 
 @pytest.mark.parametrize("kind", ["tensor", "hf_cache", "head_cache"])

@@ -762,10 +762,13 @@ class AutoBudget:
 
         # a budget counts as visited when it was played even if the tree came out smaller (near the end
         # of the context): otherwise an exploration that cannot happen would be retried every round
-        visited = max(max(t.budget for t in trees), self._last_choice)
+        covered = max(t.budget for t in trees)
+        visited = max(covered, self._last_choice)
         for k in self.candidates:
             if k <= visited:
                 self._last_seen[k] = self._round
+            if k <= covered:  # observed: its evidence is fresh (age 0) once this round is counted
+                self._seen_at[k] = self._session_round + 1
         if self._explored_from is not None:
             changed = best() != self._explored_from
             if self._probing:
@@ -798,10 +801,6 @@ class AutoBudget:
                 self._next_probe_at = self._session_round + self._probe_interval
         self._round += 1
         self._session_round += 1
-        covered = max(t.budget for t in trees)
-        for k in self.candidates:
-            if k <= covered:
-                self._seen_at[k] = self._session_round  # its evidence is this fresh (age 0)
 
     def _round_speeds(
         self, trees: list[DraftTree], accepted: list[Sequence[int]], batch: int = 1

@@ -88,11 +88,11 @@ class GraphBackend(SequenceBackend):
         return bool(self.config["causal_head"])
 
     def _block_mask_rows(self, q: int) -> Tensor:
-        """The packed in-block mask `[q, ceil(q/32)]` of a block cut to its first `q` rows (a causal row
-        sets no bit at or past `q`, so the first rows and words of the full mask are the cut block's)."""
+        """The packed in-block mask of a block of `q` rows (shorter than the block for a causal head's cut
+        draft, `SequenceBackend.block_rows`)."""
         if q == self.block_size:
             return self._block_mask
-        return self._block_mask[:q, : (q + 31) // 32].contiguous()
+        return block_mask(q, self.causal_head).to(self.device)
 
     @property
     def mask_token_id(self) -> int:

@@ -218,10 +218,10 @@ class KVGroup:
         new: list[int] = []
         moves: list[tuple[int, int, Tensor]] = []  # (row, first destination, source positions)
         for r, (ln, keep) in enumerate(zip(self.lengths, keeps, strict=True)):
-            tail = torch.arange(n) if keep is None else keep
-            new.append(ln + int(tail.numel()))
-            if tail.numel() and not (ln == p and _is_prefix(tail)):
-                moves.append((r, ln, p + tail))
+            m = n if keep is None else int(keep.numel())
+            new.append(ln + m)
+            if m and not (ln == p and (keep is None or _is_prefix(keep))):
+                moves.append((r, ln, p + (torch.arange(n) if keep is None else keep)))
         source = self._source()
         if moves:
             rows = torch.cat([torch.full((int(s.numel()),), r, dtype=torch.long) for r, _, s in moves])
