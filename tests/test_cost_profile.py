@@ -264,3 +264,54 @@ def test_fingerprint_tells_onnx_runtime_thread_pools_apart():
     assert one["backend"].endswith("Engine/portable+threads=1")
     assert two["backend"].endswith("Engine/portable+threads=2")
     assert len({cache_file(f, Path("c")) for f in (default, one, two)}) == 3
+
+
+class _VirtualClock:
+    """`time.perf_counter` for `cost_profile`: advances only when the backend below says a call took time."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class FirstRoundAfterPrefillIsSlow(TorchBackend):
+    """Runs the real forwards, but the profile's clock sees only chosen costs: a verify costs `PER_ROW`
+    seconds per verified row, drafts cost nothing, and the first verify after a prefill pays `PENALTY` on
+    top, the one-time work a real backend does there (a batch's KV gathered from its prefilled slots)."""
+
+    PER_ROW, PENALTY = 1.0, 3.0
+
+    def __init__(self, *args, clock: _VirtualClock, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.clock, self.fresh = clock, False
+
+    def prefill(self, prompt_ids, slot: int = 0):
+        self.fresh = True
+        return super().prefill(prompt_ids, slot)
+
+    def verify_batch(self, slots, trees):
+        out = super().verify_batch(slots, trees)
+        self.clock.now += self.PER_ROW * sum(t.num_nodes for t in trees) + self.PENALTY * self.fresh
+        self.fresh = False
+        return out
+
+
+def test_the_first_round_after_a_prefill_is_not_timed(target, monkeypatch):
+    """With verify time proportional to the rows verified, every measured t(N)/t(1) must be N exactly, at
+    batch 1 and batched. Timing the first round after a prefill gave the AR half of each ascending pass's
+    first pair the one-time penalty, so the smallest tree looked cheap (real SmolLM2, torch, 16 slots:
+    t(B, 2)/t(B, 1) measured 1.0 where decoding rounds take 1.4-1.7): 2 / (1 + 3) = 0.5 -> clamped to 1."""
+    import jetflow_pl.decoding.cost_profile as cp
+
+    clock = _VirtualClock()
+    monkeypatch.setattr(cp, "time", clock)
+    backend = FirstRoundAfterPrefillIsSlow(target, head_for(target), max_batch=4, clock=clock)
+    prof = measure_cost_profile(backend, kv_len=32, nodes=SMALL_LADDER, repeats=3, max_batch=4)
+    assert prof.nodes == list(SMALL_LADDER)
+    assert [v / prof.verify_s[0] for v in prof.verify_s] == pytest.approx(SMALL_LADDER, rel=1e-9)
+    assert prof.batch_sizes == [2, 4]
+    for nodes, verify in zip(prof.batch_nodes, prof.batch_verify_s, strict=True):
+        assert len(nodes) >= 3  # the ladder reached past the smallest tree
+        assert [v / verify[0] for v in verify] == pytest.approx(nodes, rel=1e-9)
