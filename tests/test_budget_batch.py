@@ -338,6 +338,30 @@ def _with_version(src, tmp_path, version: int):
     return out
 
 
+def test_a_tree_counts_at_most_the_tokens_a_request_may_still_take():
+    """On a profile where speculation pays at every size, a request with one token left gets AR (a tree
+    cannot give it more than that one token), alone and in a batch; the bound lasts one round."""
+    pol = started(AutoBudget(GPU, prior()))
+    roomy = pol.best()
+    assert roomy > 0
+    assert choose_round_budget(pol, fresh(1), [1]) == 0
+    observe_round(pol, [DraftTree.chain([5])], [[0]])
+    assert pol._remaining is None and pol.choose() == roomy  # the bound was for that round only
+    assert choose_round_budget(pol, fresh(4), [1, 1, 1, 1]) == 0
+    observe_round(pol, [DraftTree.chain([5])] * 4, [[0]] * 4)
+    # two requests with one token left, two with room: each counts min(tau_i(k), left_i), by hand
+    reqs = fresh(4)
+    pol.note_remaining([1, 1, 2, 40])
+    session = pol.estimates()
+    got = pol.batch_speeds(reqs)
+    for k, v in got.items():
+        tau_k = pol.request_estimates(reqs[0], session)[k]  # fresh requests: all at the session estimate
+        assert v == pytest.approx((1 + 1 + min(tau_k, 2) + tau_k) / (4 * pol.round_cost(k, 4)))
+    assert got[0] == pytest.approx(1.0)  # AR's one token per request is never capped
+    pol.note_remaining(None)
+    assert pol.batch_speeds(reqs)[roomy] > got[roomy]
+
+
 # ------------------------------------------------------------------------------------------ lossless batching
 pair_needed = pytest.mark.skipif(
     not (SMALL_HEAD_DIR / "model.safetensors").is_file(), reason="shipped toy head missing"
@@ -387,6 +411,40 @@ def test_batch_aware_auto_is_lossless_at_every_batch_size(toy, batch):
     played = {k for h in handles for k in h.result.budgets}
     assert len(played - {0}) >= 2, played  # drafted, at more than one budget
     assert sum(h.result.tau for h in handles) / len(handles) > 1.5  # multi-token acceptance happened
+
+
+@pair_needed
+def test_the_decode_loop_tells_auto_each_requests_tokens_left(toy):
+    """Before every round the loop tells the policy what each request may still produce (max_new_tokens
+    minus its tokens so far, in the round's request order); a request with one token left is decoded
+    with AR even where speculation pays."""
+    head, target, prompts, refs = toy
+    told: list[list[int]] = []
+
+    class Recording(AutoBudget):
+        def note_remaining(self, remaining):
+            told.append(list(remaining))
+            super().note_remaining(remaining)
+
+    pol = Recording(GPU, prior(), check_costs=False)
+    gen = SpeculativeGenerator(TorchBackend(target, head, max_batch=2), pol, width=4, eos_token_id=EOS)
+    engine = gen.engine(max_batch=2, prefill_chunk=None)
+    limits = (24, 3)
+    handles = [engine.submit(p, n) for p, n in zip(prompts[:2], limits, strict=True)]
+    while not engine.idle:
+        # a request prefilled in this step draws its first token before the round
+        before = [
+            n - max(1, len(h.result.tokens)) for h, n in zip(handles, limits, strict=True) if not h.done
+        ]
+        rounds = len(told)
+        engine.step()
+        assert len(told) == rounds + 1 and told[-1] == before
+    for h, ref, n in zip(handles, refs[:2], limits, strict=True):
+        assert h.tokens == ref[:n]
+    assert handles[0].result.budgets[0] > 0  # it speculates where there is room ...
+    alone = engine.submit(prompts[2], 2)  # ... but one token left: nothing a tree could add
+    engine.run()
+    assert told[-1] == [1] and alone.result.budgets == [0] and alone.tokens == refs[2][:2]
 
 
 @pair_needed

@@ -54,6 +54,13 @@ batch-1 ones with costs at B (a probe at B plays the largest budget costing at m
 batched AR steps). On a CPU verify cost grows quickly with B x N, so `auto` shrinks the tree as the
 batch grows and plays AR where speculation cannot pay; a batch of one is exactly the batch-1 policy.
 
+**Tokens left.** A request can take at most the tokens it may still produce (`max_new_tokens` minus what
+it has), so a tree's yield for it counts at most that many (`note_remaining`, told by the decode loop
+before each choice): min(tau_i(k), r_i), against AR's one token. A request with one token left gains
+nothing from a tree; near the end of a batch's requests a tree round is no longer bought for tokens
+nobody can take (measured, SmolLM2, torch, 16 requests x 48 tokens: a budget-2 round for 8 requests
+with 0-2 tokens left cost 205 ms against an AR round's 126 ms and bought nothing).
+
 **Checking the cost profile against the clock** (`check_costs`, default on). A profile is measured once,
 under whatever load the machine had then; decoding later, on a busier or a quieter machine, the ratios can
 be off by 2x (measured: a batch-16 round on ONNX Runtime that the profile put at 1.4 AR steps took 2.9).
@@ -389,6 +396,8 @@ class AutoBudget:
         self.request_weight = float(request_weight)
         self.max_batch = None if max_batch is None else max(1, int(max_batch))
         self._batch: Sequence[AcceptanceStats] | None = None
+        # the tokens each request of the next round may still produce (`note_remaining`; None: unbounded)
+        self._remaining: list[int] | None = None
         if prior_weight < 0 or probe_rounds < 0 or probe_cost < 1 or explore_every < 1 or probe_every < 1:
             raise ValueError("prior_weight, probe_rounds >= 0; probe_cost, explore_every, probe_every >= 1")
         if not 0 <= explore_margin < 1 or min_gain < 1:
@@ -493,9 +502,21 @@ class AutoBudget:
         return out
 
     def speeds(self) -> dict[int, float]:
-        """Expected speed of every candidate in AR tokens per AR step (AR itself: 1)."""
+        """Expected speed of every candidate in AR tokens per AR step (AR itself: 1); a tree's yield counts
+        at most the tokens the request may still produce (`note_remaining`)."""
         assert self.cost is not None, "call start(backend) first"
-        return {k: tau / self.round_cost(k) for k, tau in self.estimates().items()}
+        cap = self._cap(0)
+        return {k: min(tau, cap) / self.round_cost(k) for k, tau in self.estimates().items()}
+
+    def note_remaining(self, remaining: Sequence[int] | None) -> None:
+        """The tokens each request of the next round may still produce (request order, as the next
+        `choose_batch`; one for `choose`), or None for no bound. Holds until that round is observed."""
+        self._remaining = None if remaining is None else [max(1, int(r)) for r in remaining]
+
+    def _cap(self, i: int) -> float:
+        """The most tokens request `i` of the next round can take (inf: no bound noted)."""
+        r = self._remaining
+        return float(r[i]) if r is not None and i < len(r) else math.inf
 
     # ---- costs: the profile, checked against the clock --------------------------------------------
     def round_cost(self, budget: int, batch: int = 1) -> float:
@@ -643,14 +664,18 @@ class AutoBudget:
 
     def batch_speeds(self, requests: Sequence[AcceptanceStats]) -> dict[int, float]:
         """Expected speed of every candidate for a round of these requests, against `len(requests)` AR
-        steps batched (AR itself: 1): sum of tau_i(k) over B * cost(k, B)."""
+        steps batched (AR itself: 1): sum of min(tau_i(k), tokens left_i) over B * cost(k, B)."""
         assert self.cost is not None, "call start(backend) first"
         b = len(requests)
         if b <= 1:
             return self.speeds()
         session = self.estimates()
+        caps = [self._cap(i) for i in range(b)]
         per = [self.request_estimates(st, session) for st in requests]
-        return {k: sum(t[k] for t in per) / (b * self.round_cost(k, b)) for k in self.candidates_at(b)}
+        return {
+            k: sum(min(t[k], c) for t, c in zip(per, caps, strict=True)) / (b * self.round_cost(k, b))
+            for k in self.candidates_at(b)
+        }
 
     def best_batch(self, requests: Sequence[AcceptanceStats]) -> int:
         """The shared budget with the highest expected speed for these requests; 0 unless some budget
@@ -733,10 +758,14 @@ class AutoBudget:
         upper confidence bound (`optimistic_tau`) and its cost for `batch` requests."""
         bar = speeds[best] if best else self.min_gain
         est = self.estimates()
+        caps = [self._cap(i) for i in range(batch)]
+
+        def bound(k: int) -> float:  # per request at most its tokens left, averaged over the batch
+            top_k = self.optimistic_tau(k, est[k])
+            return sum(min(top_k, c) for c in caps) / batch
+
         return any(
-            self.optimistic_tau(k, est[k]) / self.round_cost(k, batch) > bar
-            for k in self.candidates_at(batch)
-            if best < k <= top
+            bound(k) / self.round_cost(k, batch) > bar for k in self.candidates_at(batch) if best < k <= top
         )
 
     def observe(self, tree: DraftTree, accepted: Sequence[int]) -> None:
@@ -801,6 +830,7 @@ class AutoBudget:
                 self._next_probe_at = self._session_round + self._probe_interval
         self._round += 1
         self._session_round += 1
+        self._remaining = None
 
     def _round_speeds(
         self, trees: list[DraftTree], accepted: list[Sequence[int]], batch: int = 1
@@ -871,10 +901,18 @@ def start_policy(policy: BudgetPolicy, backend: DecodeBackend, max_batch: int = 
     policy.start(backend)
 
 
-def choose_round_budget(policy: BudgetPolicy, requests: Sequence[AcceptanceStats]) -> int:
+def choose_round_budget(
+    policy: BudgetPolicy,
+    requests: Sequence[AcceptanceStats],
+    remaining: Sequence[int] | None = None,
+) -> int:
     """The shared budget of one round for a batch of `len(requests)` requests (each request's own
-    acceptance so far in `requests`): a batch-aware policy's `choose_batch`, else `choose()`. A batch of
-    one is always `choose()`, so batch-1 decoding is exactly what it was."""
+    acceptance so far in `requests`; `remaining`: the tokens each may still produce, told first to a
+    policy that takes them, `note_remaining`): a batch-aware policy's `choose_batch`, else `choose()`.
+    A batch of one is always `choose()`, so batch-1 decoding is exactly what it was."""
+    note = getattr(policy, "note_remaining", None)
+    if note is not None:
+        note(remaining)
     choose_batch = getattr(policy, "choose_batch", None)
     if len(requests) > 1 and choose_batch is not None:
         return int(choose_batch(requests))

@@ -190,7 +190,9 @@ class SpeculativeGenerator:
         request's result and sets `finish_reason` where one finished.
         """
         slots = [r.slot for r in requests]
-        shared = choose_round_budget(self.budget_policy, [r.stats for r in requests])
+        # what each request may still produce: a tree yields a request at most that many tokens
+        left = [r.max_new_tokens - len(r.handle.result.tokens) for r in requests]
+        shared = choose_round_budget(self.budget_policy, [r.stats for r in requests], left)
         budgets = [shared if r.budget is None else r.budget for r in requests]
         started = time.perf_counter()
         # the anchor sits at `past_len`; a depth-d node at `past_len + d` must stay inside the context
