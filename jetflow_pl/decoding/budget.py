@@ -270,7 +270,10 @@ class BudgetPolicy(Protocol):
     `max_budget`: the largest budget it may pick, checked against the backend up front (None: it caps
     itself in `start`). `start` runs once per generation, after the prompt is validated and before the
     prefill (it may use the backend, e.g. to measure costs); `choose` gives the next round's budget;
-    `observe` gets the verified tree and the accepted node ids (root first).
+    `observe` gets the verified tree and the accepted node ids (root first). Optional hooks the decode
+    loop calls when a policy has them: `plan_batch(max_batch)` before `start`, `note_remaining(counts)`
+    before each choice (the tokens each request of the round may still produce), `choose_batch` /
+    `observe_batch` / `observe_time` (see `AutoBudget`).
     """
 
     max_budget: int | None
