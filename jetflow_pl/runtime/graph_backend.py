@@ -61,7 +61,11 @@ class GraphBackend(SequenceBackend):
             head_kv = TensorKVStore(
                 h["num_layers"], h["num_kv_heads"], h["head_dim"], device, num_slots=slots
             )
-        self._block_mask = block_mask(self.block_size, bool(config["causal_head"])).to(device)
+        # packed in-block masks by block rows, on the device: the full block's, and each cut block's
+        # (`SequenceBackend.block_rows`) once it is first drafted, so no round rebuilds or copies one
+        self._block_masks = {
+            self.block_size: block_mask(self.block_size, bool(config["causal_head"])).to(device)
+        }
         super().__init__(kv, head_kv, taps, device)
 
     # ------------------------------------------------------------------ graph runners (subclasses)
@@ -90,9 +94,10 @@ class GraphBackend(SequenceBackend):
     def _block_mask_rows(self, q: int) -> Tensor:
         """The packed in-block mask of a block of `q` rows (shorter than the block for a causal head's cut
         draft, `SequenceBackend.block_rows`)."""
-        if q == self.block_size:
-            return self._block_mask
-        return block_mask(q, self.causal_head).to(self.device)
+        mask = self._block_masks.get(q)
+        if mask is None:
+            mask = self._block_masks[q] = block_mask(q, self.causal_head).to(self.device)
+        return mask
 
     @property
     def mask_token_id(self) -> int:
