@@ -17,6 +17,7 @@ import torch
 from jetflow_pl.masks import pack_mask, pack_tree_batch
 from jetflow_pl.ops.tree_attention import (
     tree_attention,
+    tree_attention_grouped,
     tree_attention_reference,
     tree_attention_via_masked_attention,
 )
@@ -102,9 +103,15 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "op", [tree_attention, tree_attention_reference, tree_attention_via_masked_attention]
-)
+PYTHON_FORMS = [
+    tree_attention,
+    tree_attention_reference,
+    tree_attention_grouped,
+    tree_attention_via_masked_attention,
+]
+
+
+@pytest.mark.parametrize("op", PYTHON_FORMS)
 @pytest.mark.parametrize(("sizes", "past", "hq", "hkv", "num_nodes"), CASES)
 def test_batched_op_equals_the_batch1_op_per_request(op, sizes, past, hq, hkv, num_nodes):
     args, trees, masks = make_batch(sizes, past, hq, hkv, 16, seed=sum(sizes), num_nodes=num_nodes)
@@ -118,11 +125,12 @@ def test_batched_op_equals_the_batch1_op_per_request(op, sizes, past, hq, hkv, n
         torch.testing.assert_close(out[i : i + 1, :, :n], want, atol=ATOL, rtol=0)
 
 
-def test_padding_rows_see_only_their_requests_prefix_or_nothing():
+@pytest.mark.parametrize("op", [tree_attention, tree_attention_grouped])
+def test_padding_rows_see_only_their_requests_prefix_or_nothing(op):
     """Rows past a request's generation length: prefix-only attention; exactly 0 without a prefix."""
     args, trees, _ = make_batch([3, 10, 6], [5, 0, 8], 4, 2, 16, seed=4, num_nodes=12)
     q, pk, pv = args[:3]
-    out = tree_attention(*args)
+    out = op(*args)
     for i, tree in enumerate(trees):
         n, p = tree.num_nodes, int(args[7][i])
         pad = out[i : i + 1, :, n:]
@@ -148,7 +156,8 @@ def test_past_lengths_really_hide_rows():
     assert torch.equal(moved[1], base[1])  # request 1 untouched
 
 
-def test_batch1_forms_agree_and_lengths_are_clamped():
+@pytest.mark.parametrize("op", [tree_attention, tree_attention_grouped])
+def test_batch1_forms_agree_and_lengths_are_clamped(op):
     """A shared [N, W] mask == the same mask per request; past_lengths == P == None; > P clamps to P."""
     args, _, _ = make_batch([20, 20, 20], [6, 6, 6], 4, 2, 16, seed=2, pad_past=0)
     q, pk, pv, k, v, mask, scale, lengths = args
@@ -157,8 +166,8 @@ def test_batch1_forms_agree_and_lengths_are_clamped():
     want = tree_attention(q, pk, pv, k, v, shared, scale)  # the batch-1 signature, unchanged
     for m in (shared, mask):
         for pl in (None, lengths, lengths + 100):
-            torch.testing.assert_close(tree_attention(q, pk, pv, k, v, m, scale, pl), want, atol=ATOL, rtol=0)
-    none = tree_attention(q, pk, pv, k, v, shared, scale, torch.full((3,), -5, dtype=torch.int32))
+            torch.testing.assert_close(op(q, pk, pv, k, v, m, scale, pl), want, atol=ATOL, rtol=0)
+    none = op(q, pk, pv, k, v, shared, scale, torch.full((3,), -5, dtype=torch.int32))
     want_none = tree_attention(q, pk[:, :, :0], pv[:, :, :0], k, v, shared, scale)
     torch.testing.assert_close(none, want_none, atol=ATOL, rtol=0)
 
@@ -170,10 +179,12 @@ def test_a_row_that_sees_nothing_is_zero_in_every_python_form():
     dense[3] = False
     q, k, v = torch.randn(3, 1, 2, 8, 16, generator=gen)
     pk = torch.randn(1, 2, 4, 16, generator=gen)
-    for op in (tree_attention, tree_attention_via_masked_attention):
-        out = op(q, pk, pk, k, v, pack_mask(dense), 0.25, torch.zeros(1, dtype=torch.int32))
-        assert torch.equal(out[:, :, 3], torch.zeros_like(out[:, :, 3]))
-        assert torch.isfinite(out).all()
+    for op in (tree_attention, tree_attention_grouped, tree_attention_via_masked_attention):
+        for lengths in (torch.zeros(1, dtype=torch.int32), None):
+            p = 4 if lengths is not None else 0  # without lengths every prefix row is visible
+            out = op(q, pk[:, :, :p], pk[:, :, :p], k, v, pack_mask(dense), 0.25, lengths)
+            assert torch.equal(out[:, :, 3], torch.zeros_like(out[:, :, 3]))
+            assert torch.isfinite(out).all()
 
 
 def test_opcheck_with_per_request_masks_and_lengths():
@@ -260,7 +271,7 @@ def test_batched_export_matches_eager_on_onnxruntime(form, opset, tmp_path):
     """Traced at B=2, N=12; run at B=3, N=40 (dynamic axes), padding NaN-free on ORT too."""
     import onnxruntime as ort
 
-    fn = {"portable": tree_attention_reference, "attention": tree_attention_via_masked_attention}.get(
+    fn = {"portable": tree_attention_grouped, "attention": tree_attention_via_masked_attention}.get(
         form, tree_attention
     )
     example, _, _ = make_batch([12, 5], [3, 0], 4, 2, 16, seed=0)
@@ -303,3 +314,31 @@ def test_batch1_plugin_export_keeps_six_inputs_and_runs_on_the_library_loader(tm
     args, _, _ = make_batch([10, 3, 8], [5, 5, 5], 2, 2, 16, seed=8, pad_past=0)
     got = session.run(None, _feeds(session, args[:6]))[0]
     np.testing.assert_allclose(got, tree_attention(*args[:7]).numpy(), atol=ATOL, rtol=0)
+
+
+def test_portable_export_never_copies_the_cache_into_a_bigger_tensor(tmp_path):
+    """The portable graphs' attention (`tree_attention_grouped`) reads the KV prefix in place: no cache
+    tensor (past K/V, or what layout/elementwise ops make of them) feeds a Concat, Expand or Tile. Those
+    copies of the whole cache per layer, not the arithmetic, were most of a 16-request round on ONNX
+    Runtime with the reference's form (see the function's docstring); the reference's own export has them,
+    which this check confirms, so it can fail."""
+    example, _, _ = make_batch([12, 5], [3, 0], 6, 2, 16, seed=0)
+    inputs = tuple(t for t in example if not isinstance(t, float))
+
+    def cache_copies(model: onnx.ModelProto) -> list[str]:
+        cache = {"past_key", "past_value"}
+        passthrough = {"Where", "Cast", "Transpose", "Reshape", "Identity", "Mul", "Unsqueeze"}
+        copies = []
+        for node in model.graph.node:  # topological order
+            if not cache.intersection(node.input):
+                continue
+            if node.op_type in {"Concat", "Expand", "Tile"}:
+                copies.append(node.op_type)
+            elif node.op_type in passthrough:
+                cache.update(node.output)
+        return copies
+
+    grouped = _export(tree_attention_grouped, inputs, tmp_path / "grouped.onnx", 20, True)
+    reference = _export(tree_attention_reference, inputs, tmp_path / "reference.onnx", 20, True)
+    assert cache_copies(grouped) == []
+    assert cache_copies(reference), "the reference form's export concatenates and expands the cache"

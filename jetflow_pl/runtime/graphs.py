@@ -29,7 +29,7 @@ from jetflow_pl.head import DraftHead
 from jetflow_pl.head.draft_vocab import draft_vocab_of, restricted_lm_head
 from jetflow_pl.ops.tree_attention import (
     tree_attention,
-    tree_attention_reference,
+    tree_attention_grouped,
     tree_attention_via_masked_attention,
 )
 from jetflow_pl.target import TargetModel
@@ -42,7 +42,7 @@ def attention_for(variant: str) -> AttentionFn:
     if variant == "plugin":
         return tree_attention
     if variant == "portable":
-        return tree_attention_reference
+        return tree_attention_grouped
     if variant == "attention":
         return tree_attention_via_masked_attention
     raise ValueError(f"unknown export variant {variant!r}: expected 'plugin', 'portable' or 'attention'")
@@ -102,7 +102,7 @@ class TargetVerifyGraph(nn.Module):
         b, n = x.shape[0], x.shape[1]
         extra = () if past_lengths is None else (past_lengths,)
         cos, sin = self.rotary_emb(x, position_ids)
-        presents_k, presents_v, taps = [], [], {}
+        new_k, new_v, taps = [], [], {}
         last = t.num_layers - 1
         for i, layer in enumerate(t.layers):
             attn = layer.self_attn
@@ -117,8 +117,8 @@ class TargetVerifyGraph(nn.Module):
             o = self.attend(q, past_keys[i], past_values[i], k, v, tree_mask, self.scaling, *extra)
             x = x + attn.o_proj(o.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-            presents_k.append(torch.cat([past_keys[i], k], dim=2))
-            presents_v.append(torch.cat([past_values[i], v], dim=2))
+            new_k.append(k)
+            new_v.append(v)
             if i in self.tap_layer_ids and i != last:
                 taps[i] = x
         hidden = t.final_norm(x)
@@ -129,8 +129,10 @@ class TargetVerifyGraph(nn.Module):
             logits,
             logits.argmax(dim=-1),
             features,
-            torch.stack(presents_k),
-            torch.stack(presents_v),
+            # past ++ new as one concatenation of the whole cache (not one per layer and then a stack of
+            # them: that wrote every KV row twice)
+            torch.cat([past_keys, torch.stack(new_k)], dim=3),
+            torch.cat([past_values, torch.stack(new_v)], dim=3),
         )
 
 
