@@ -97,23 +97,26 @@ def _stores(num_slots: int = 1) -> dict:
     )
     return {
         "tensor": TensorKVStore(L, H, D, num_slots=num_slots),
+        "tensor_slack": TensorKVStore(L, H, D, num_slots=num_slots, keep_slack=True),
         "buffer": BufferKVStore(L, H, D, capacity=32, dtype=torch.float32, device="cpu", num_slots=num_slots),
         "hf_cache": HFCacheStore(config, num_slots=num_slots),
         "head_cache": HeadCacheStore(_FakeHead(), num_slots=num_slots),
     }
 
 
-@pytest.mark.parametrize("kind", ["tensor", "buffer", "hf_cache", "head_cache"])
+@pytest.mark.parametrize("kind", ["tensor", "tensor_slack", "buffer", "hf_cache", "head_cache"])
 def test_every_store_keeps_the_committed_prefix_plus_the_kept_rows_in_order(kind):
     store = _stores()[kind]
     _run_schedule(store)
     want_k, want_v = _expected()
     assert store.length() == want_k.shape[3] == 5 + 2 + 3 + 1 and store.staged() == 0
     got_k, got_v = _committed(store)
-    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    n = store.length()  # a store keeping slack may carry padding past it
+    assert got_k.shape[3] == store.group(0).padded >= n
+    assert torch.equal(got_k[:, :, :, :n], want_k) and torch.equal(got_v[:, :, :, :n], want_v)
 
 
-@pytest.mark.parametrize("kind", ["tensor", "buffer", "hf_cache", "head_cache"])
+@pytest.mark.parametrize("kind", ["tensor", "tensor_slack", "buffer", "hf_cache", "head_cache"])
 def test_slots_are_independent_and_reset_frees_one(kind):
     store = _stores(num_slots=2)[kind]
     _run_schedule(store, slot=1)
@@ -122,7 +125,7 @@ def test_slots_are_independent_and_reset_frees_one(kind):
     store.reset(1)
     assert store.length(1) == 0 and store.length(0) == 11
     got_k, _ = _committed(store, 0)
-    assert torch.equal(got_k, _expected()[0])
+    assert torch.equal(got_k[:, :, :, :11], _expected()[0])
     with pytest.raises(IndexError, match="slot 2"):
         store.length(2)
 
@@ -139,6 +142,7 @@ def _batch_forward(store, group, n: int, seed: int) -> tuple[torch.Tensor, torch
     k, v = torch.randn(2, L, group.size, H, n, D, generator=torch.Generator().manual_seed(seed))
     if isinstance(store, TensorKVStore):
         pk, pv = group.past()
+        assert pk.shape[3] == group.padded
         group.stage(n, (torch.cat([pk, k], dim=3), torch.cat([pv, v], dim=3)))
         return k, v
     cache = group.cache()
@@ -151,7 +155,7 @@ def _batch_forward(store, group, n: int, seed: int) -> tuple[torch.Tensor, torch
     return k, v
 
 
-@pytest.mark.parametrize("kind", ["tensor", "hf_cache", "head_cache"])
+@pytest.mark.parametrize("kind", ["tensor", "tensor_slack", "hf_cache", "head_cache"])
 def test_a_ragged_batch_keeps_each_rows_prefix_plus_its_own_kept_rows(kind):
     """Rows of different lengths keep different rows each round: every row must read back exactly the
     rows it kept, in order, as if decoded alone."""
@@ -169,7 +173,8 @@ def test_a_ragged_batch_keeps_each_rows_prefix_plus_its_own_kept_rows(kind):
             idx = torch.tensor(keep, dtype=torch.long)
             want[r].append((k[:, r : r + 1].index_select(3, idx), v[:, r : r + 1].index_select(3, idx)))
     got_k, got_v = _group_rows(store, group)
-    assert got_k.shape[3] == max(group.lengths)
+    assert got_k.shape[3] == group.padded
+    assert group.padded == max(group.lengths) or kind == "tensor_slack"
     for r in range(2):
         wk, wv = (torch.cat([w[j] for w in want[r]], dim=3) for j in (0, 1))
         assert group.lengths[r] == wk.shape[3]
@@ -192,6 +197,59 @@ def test_an_ar_step_of_a_ragged_batch_moves_only_the_kept_rows():
     past_k, _ = group.past()
     assert past_k.data_ptr() == present.data_ptr() and group.lengths == [6, 3]
     assert torch.equal(past_k[:, 1:2, :, 2:3], k[:, 1:2]) and torch.equal(past_k[:, 0:1, :, 5:6], k[:, 0:1])
+
+
+def test_a_store_keeping_slack_keeps_a_tree_rounds_output_whole_until_the_slack_costs_more_than_a_copy():
+    """`keep_slack` (the batched graphs): a commit that keeps fewer rows than it staged hands back the
+    forward's own output, uncut (a cut is a strided view the next forward's runtime copies dense); the
+    padding past the longest row is cut, dense, once slack^2 > 2 x longest x staged; merge and drop
+    carry it; every row reads back what it kept."""
+    store = TensorKVStore(L, H, D, num_slots=3, keep_slack=True)
+    want: dict[int, list[torch.Tensor]] = {0: [], 1: [], 2: []}
+    for slot, n in ((0, 9), (1, 4)):
+        g = store.group(slot)
+        want[slot].append(_batch_forward(store, g, n, seed=slot)[0])
+        g.commit()
+    group = store.join([0, 1])
+
+    def tree_round(n: int, keeps: list[list[int]], seed: int) -> torch.Tensor:
+        k, _ = _batch_forward(store, group, n, seed=seed)
+        present = group._present[0]
+        group.commit([torch.tensor(kp, dtype=torch.long) for kp in keeps])
+        for r, kp in enumerate(keeps):
+            want[group.rows[r]].append(k[:, r : r + 1].index_select(3, torch.tensor(kp, dtype=torch.long)))
+        return present
+
+    # longest 9 -> 11 with 5 staged: slack 14 - 11 = 3, 9 <= 2 * 11 * 5: kept whole, no copy
+    present = tree_round(5, [[0, 1], [0]], seed=10)
+    assert group.lengths == [11, 5] and group.slack == 3 and group.padded == 14
+    assert group.past()[0].data_ptr() == present.data_ptr()
+    # an AR round keeps the slack as it is (3^2 = 9 <= 2 * 12 * 1)
+    present = tree_round(1, [[0], [0]], seed=11)
+    assert group.lengths == [12, 6] and group.slack == 3 and group.past()[0].data_ptr() == present.data_ptr()
+    # 8 staged, 1 kept by the longest: slack 3 + 7 = 10, 100 <= 2 * 13 * 8 = 208: still whole
+    tree_round(8, [[0], [0, 3, 5]], seed=12)
+    assert group.lengths == [13, 9] and group.slack == 10
+    # one AR round: 10^2 = 100 > 2 * 14 * 1: cut to the longest row, dense
+    present = tree_round(1, [[0], [0]], seed=13)
+    past_k, past_v = group.past()
+    assert group.slack == 0 and past_k.shape[3] == 14 and past_k.is_contiguous() and past_v.is_contiguous()
+    assert past_k.data_ptr() != present.data_ptr()
+    # a slot joining a batch that carries slack, and a slot leaving it
+    tree_round(6, [[0], [0, 1]], seed=14)
+    assert group.slack == 5
+    g = store.group(2)
+    want[2].append(_batch_forward(store, g, 3, seed=2)[0])
+    g.commit()
+    store.reset(0)
+    group = store.join([1, 2])
+    assert group.rows == [1, 2] and group.lengths == [12, 3] and group.slack == 0
+    tree_round(4, [[0, 1, 2], [0, 1]], seed=15)
+    past_k, _ = group.past()
+    for r, slot in enumerate(group.rows):
+        wk = torch.cat(want[slot], dim=3)
+        assert group.lengths[r] == wk.shape[3]
+        assert torch.equal(past_k[:, r : r + 1, :, : wk.shape[3]], wk)
 
 
 def test_an_uncommitted_forward_is_discarded_by_the_next_one():

@@ -125,9 +125,10 @@ def _is_prefix(keep: Tensor) -> bool:
 class KVGroup:
     """The rows of one padded batch (see the module docstring); subclasses hold the tensors.
 
-    `rows[r]` is the slot of row `r`, `lengths[r]` its committed rows, `padded` = max(lengths) the
-    padded length `P` of the committed tensors, `staged` the rows the last forward appended after `P` to
-    every row (0: none, or already committed).
+    `rows[r]` is the slot of row `r`, `lengths[r]` its committed rows, `padded` the padded length `P` of
+    the committed tensors: max(lengths) plus `slack`, rows of padding past the longest row that a layout
+    may keep to save a copy (`_width_after_commit`; 0 unless it does), `staged` the rows the last forward
+    appended after `P` to every row (0: none, or already committed).
     """
 
     batch_axis = 0
@@ -137,6 +138,7 @@ class KVGroup:
         self.rows: list[int] = []
         self.lengths: list[int] = []
         self.staged = 0
+        self.slack = 0
 
     @property
     def size(self) -> int:
@@ -144,7 +146,7 @@ class KVGroup:
 
     @property
     def padded(self) -> int:
-        return max(self.lengths, default=0)
+        return max(self.lengths, default=0) + self.slack
 
     def row(self, slot: int) -> int:
         try:
@@ -172,6 +174,15 @@ class KVGroup:
     def _adopt(self, other: KVGroup) -> None:
         """Take `other`'s tensors as this (empty) group's own."""
         raise NotImplementedError
+
+    def _width_after_commit(self, full: int, longest: int, staged: int) -> int:  # noqa: ARG002
+        """The padded length the committed tensors keep after a commit: `longest` (the new longest row:
+        the forward's output `full` rows wide is cut to it) unless a layout keeps padding (TensorKVGroup)."""
+        return longest
+
+    def _cut(self, t: Tensor, width: int) -> Tensor:
+        """`t` cut to `width` rows along `pos_axis` (a view; a layout may copy it into place)."""
+        return t.narrow(self.pos_axis, 0, width)
 
     def _check_stage(self, n: int) -> None:
         if n < 0:
@@ -233,11 +244,11 @@ class KVGroup:
                 at_src[self.batch_axis] = at_dst[self.batch_axis] = rows.to(t.device)
                 at_src[self.pos_axis], at_dst[self.pos_axis] = src.to(t.device), dst.to(t.device)
                 t[tuple(at_dst)] = t[tuple(at_src)]  # the right side is a copy: overlapping moves are safe
-        width = max(new, default=0)
-        self._replace(
-            [t if t.shape[self.pos_axis] == width else t.narrow(self.pos_axis, 0, width) for t in source]
-        )
+        longest = max(new, default=0)
+        width = max(longest, self._width_after_commit(p + n, longest, n))
+        self._replace([t if t.shape[self.pos_axis] == width else self._cut(t, width) for t in source])
         self.lengths = new
+        self.slack = width - longest
         self.staged = 0
 
     def merge(self, other: KVGroup) -> None:
@@ -246,6 +257,7 @@ class KVGroup:
             raise RuntimeError("a group with a staged forward cannot be merged: commit it first")
         if other.size == 0:
             return
+        width = other.padded
         if self.size == 0:
             self._adopt(other)
         else:
@@ -253,7 +265,7 @@ class KVGroup:
             if mine or theirs:  # a head cache that has read nothing yet holds no tensors at all
                 mine = mine or [self._zero_rows(t, self.size) for t in theirs]
                 theirs = theirs or [self._zero_rows(t, other.size) for t in mine]
-                p = max(self.padded, other.padded)
+                p = width = max(self.padded, other.padded)
                 mine = [_pad_to(t, self.pos_axis, p) for t in mine]
                 theirs = [_pad_to(t, self.pos_axis, p) for t in theirs]
                 self._replace(
@@ -264,7 +276,8 @@ class KVGroup:
                 )
         self.rows += other.rows
         self.lengths += other.lengths
-        other.rows, other.lengths = [], []
+        self.slack = max(0, width - max(self.lengths, default=0))
+        other.rows, other.lengths, other.slack = [], [], 0
         other._clear()
 
     def _zero_rows(self, like: Tensor, rows: int) -> Tensor:
@@ -291,7 +304,7 @@ class KVGroup:
                     t = t.narrow(self.pos_axis, 0, p).contiguous()
                 kept.append(t)
             self._replace(kept)
-        self.rows, self.lengths, self.staged = rows, lengths, 0
+        self.rows, self.lengths, self.staged, self.slack = rows, lengths, 0, 0
 
     def _clear(self) -> None:
         """Drop every tensor (the group has no rows)."""
@@ -382,16 +395,38 @@ class _Store:
 
 
 class TensorKVGroup(KVGroup):
-    """Rows as explicit `[L, R, Hkv, P, d]` tensors, replaced by each forward's `present` output."""
+    """Rows as explicit `[L, R, Hkv, P, d]` tensors, replaced by each forward's `present` output.
+
+    `keep_slack` (graphs told each row's length, `past_lengths`: the batched graphs) keeps the output of a
+    tree round whole instead of cutting it to the longest row. Cut, it is a strided view that the next
+    forward's runtime copies into a dense input, the whole cache once more: measured on ONNX Runtime
+    (SmolLM2, 16 requests, 2 cores) an AR round right after a budget-1 round took 257 ms against 181 ms
+    after an AR round at KV 256 (190 against 138 at 128), a cost of the tree round that the next round
+    paid. The rows past the longest are padding like any row's past its length. They cost each forward
+    about their share of the cache, and they grow by at most the staged rows per round, so they are cut
+    (once, copied dense here) when slack^2 > 2 x longest x staged: a dense copy costs about one pass over
+    the cache (the measurement above: 76 ms against ~0.34 ms per cached row), and with growth g per round
+    the slack's cost plus the copy's, per round, is least at a limit of sqrt(2 x cache x g).
+    """
 
     batch_axis = 1
     pos_axis = 3
 
-    def __init__(self, empty: Tensor) -> None:
+    def __init__(self, empty: Tensor, keep_slack: bool = False) -> None:
         super().__init__()
         self._empty = empty  # [L, 1, Hkv, 0, d]
+        self.keep_slack = bool(keep_slack)
         self._kv: KV | None = None
         self._present: KV | None = None
+
+    def _width_after_commit(self, full: int, longest: int, staged: int) -> int:
+        if self.keep_slack and (full - longest) ** 2 <= 2 * longest * staged:
+            return full
+        return longest
+
+    def _cut(self, t: Tensor, width: int) -> Tensor:
+        cut = t.narrow(self.pos_axis, 0, width)
+        return cut.contiguous() if self.keep_slack else cut
 
     def past(self) -> KV:
         """The committed rows of every row, `[L, R, Hkv, P, d]` (the graphs' `past_keys`/`past_values`)."""
@@ -447,12 +482,16 @@ class TensorKVStore(_Store):
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         num_slots: int = 1,
+        keep_slack: bool = False,
     ) -> None:
+        """`keep_slack`: the forwards take each row's length (`past_lengths`), so padding past the longest
+        row is allowed and a tree round's output is kept whole (`TensorKVGroup`)."""
         self._empty = torch.zeros(num_layers, 1, num_kv_heads, 0, head_dim, dtype=dtype, device=device)
+        self.keep_slack = bool(keep_slack)
         super().__init__(num_slots)
 
     def _new_group(self) -> TensorKVGroup:
-        return TensorKVGroup(self._empty)
+        return TensorKVGroup(self._empty, self.keep_slack)
 
     def past(self, slot: int = 0) -> KV:
         """The committed rows of an alone `slot`, `[L, 1, Hkv, P, d]`."""
