@@ -91,8 +91,10 @@ SETTLE_ROUNDS = 1
 #: 3: a causal head drafts only the depths the round's trees can reach, `SequenceBackend.block_rows`, and
 #: a ragged batch's KV commit moves only the kept rows, `KVGroup.commit`; 4: not a compute change but a
 #: measurement fix, the first round after a prefill is no longer timed (`SETTLE_ROUNDS`): profiles
-#: measured before it under-priced the smallest trees, most at large batch sizes)
-COST_REVISION = 4
+#: measured before it under-priced the smallest trees, most at large batch sizes; 5: the portable graphs'
+#: attention reads the cache in place (`tree_attention_grouped`) and the batched graphs' caches keep a tree
+#: round's output whole (`TensorKVGroup` slack), so rounds of ONNX Runtime cost less, most at large B)
+COST_REVISION = 5
 #: config keys that do not change what a forward computes (paths, versions, bookkeeping)
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "architectures", "dtype", "torch_dtype")
 
