@@ -203,8 +203,15 @@ def test_a_store_keeping_slack_keeps_a_tree_rounds_output_whole_until_the_slack_
     """`keep_slack` (the batched graphs): a commit that keeps fewer rows than it staged hands back the
     forward's own output, uncut (a cut is a strided view the next forward's runtime copies dense); the
     padding past the longest row is cut, dense, once slack^2 > 2 x longest x staged; merge and drop
-    carry it; every row reads back what it kept."""
+    carry it; every row reads back what it kept; a group of one row keeps none."""
     store = TensorKVStore(L, H, D, num_slots=3, keep_slack=True)
+    alone = store.group(2)  # a group of one row keeps no slack (there the copy is the cheaper one)
+    _batch_forward(store, alone, 20, seed=20)
+    alone.commit()
+    _batch_forward(store, alone, 8, seed=21)
+    alone.commit([torch.tensor([0, 1])])
+    assert alone.slack == 0 and alone.past()[0].shape[3] == 22
+    store.reset(2)
     want: dict[int, list[torch.Tensor]] = {0: [], 1: [], 2: []}
     for slot, n in ((0, 9), (1, 4)):
         g = store.group(slot)
