@@ -48,3 +48,35 @@ def test_bench_batching_refuses_a_run_with_no_timed_request(tmp_path, monkeypatc
     with pytest.raises(SystemExit) as refused:
         batching.main(["--requests", "0", "--out", str(tmp_path / "x.json")])
     assert refused.value.code == 2  # argparse's usage error, before any model is loaded
+
+
+def test_engine_ab_compares_engine_dirs_side_by_side(tmp_path, monkeypatch):
+    """bench/engine_ab.py on two copies of one batched toy engine: every cell is measured for both, the
+    ratio is to the first, and identical graphs give identical tokens (0 requests differ)."""
+    import shutil
+
+    from export.onnx_export import ExportSettings, export_engine
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import engine_ab
+
+    first = export_engine(ExportSettings(head=HEAD, target=SMALL, out=tmp_path / "a", max_batch=2))
+    second = Path(shutil.copytree(first, tmp_path / "b"))
+    out = tmp_path / "ab.json"
+    argv = ["--engine-dirs", str(first), str(second), "--batch", "1", "2", "--budgets", "4"]
+    argv += "--requests 2 --warmup 0 --max-tokens 6 --n-prompts 2 --threads 1 --repeats 1".split()
+    argv += ["--prompts", str(REPO / "data_gen/toy/assets/heldout_prompts/math.jsonl"), "--out", str(out)]
+    assert engine_ab.main(argv) == 0
+    res = json.loads(out.read_text())
+    assert res["requests_differing_from_first_engine_at_budget_0"] == {str(first): 0, str(second): 0}
+    assert set(res["results"]) == {str(first), str(second)}
+    for name, cells in res["results"].items():
+        assert set(cells) == {"1", "2"}
+        for row in cells.values():
+            assert set(row) == {"0", "4"}  # the AR reference is added when not asked for
+            for cell in row.values():
+                assert cell["tokens_per_s"] > 0 and len(cell["tokens_per_s_repeats"]) == 1
+                assert cell["vs_first_engine"] == 1.0 if name == str(first) else cell["vs_first_engine"] > 0
+    with pytest.raises(SystemExit) as refused:  # the same directory twice would merge two columns
+        engine_ab.main(["--engine-dirs", str(first), str(first), "--out", str(out)])
+    assert refused.value.code == 2

@@ -217,7 +217,8 @@ def tree_attention_grouped(
     weighted products, so K/V prefix and tree rows are never concatenated either. Padding prefix rows:
     their scores are replaced (`Where` on the scores, so a NaN key cannot leak) and their values zeroed
     (a zero weight times a NaN value would still be NaN). Rows that see nothing are 0, as in the reference.
-    Same numbers as `tree_attention_reference` up to summation order (checked in tests/test_ops.py).
+    Same numbers as `tree_attention_reference` up to summation order (tests/test_tree_attention_batched.py,
+    which also checks that its export copies no cache tensor).
     """
     _check_inputs(query, past_key, past_value, key, value, packed_mask, past_lengths)
     b, hq, n, d = query.shape
@@ -230,25 +231,26 @@ def tree_attention_grouped(
         tree_visible = tree_visible.unsqueeze(0)
     # [B or 1, 1, G*N, N]: every query head of a KV head sees the request's tree rows alike
     tree_visible = tree_visible[:, None, None].expand(-1, 1, group, n, n).reshape(-1, 1, group * n, n)
-    past_scores = torch.matmul(q, past_key.transpose(-1, -2)) * scale  # [B, Hkv, G*N, P]
-    tree_scores = torch.matmul(q, key.transpose(-1, -2)) * scale  # [B, Hkv, G*N, N]
-    if past_lengths is not None:
+    if past_lengths is None:  # every prefix row is visible
+        prefix_visible = torch.ones_like(tree_visible[..., :1]).expand(-1, 1, group * n, p)
+    else:
         valid = prefix_valid(past_lengths, p)  # [B, P]
-        past_scores = torch.where(valid[:, None, None, :], past_scores, float("-inf"))
+        prefix_visible = valid[:, None, None, :].expand(-1, 1, group * n, p)
         past_value = torch.where(
             valid[:, None, :, None], past_value, torch.zeros_like(past_value[:1, :1, :1])
         )
-    tree_scores = torch.where(tree_visible, tree_scores, float("-inf"))
-    weights = torch.softmax(torch.cat([past_scores, tree_scores], dim=-1), dim=-1)
+        if tree_visible.shape[0] != b:  # one mask shared by the batch
+            tree_visible = tree_visible.expand(b, 1, group * n, n)
+    # visibility as bools over scores (`[B or 1, 1, G*N, P+N]`, no KV-sized tensor): one Where
+    visible = torch.cat([prefix_visible, tree_visible], dim=-1)
+    scores = torch.cat(
+        [torch.matmul(q, past_key.transpose(-1, -2)), torch.matmul(q, key.transpose(-1, -2))], dim=-1
+    )
+    weights = torch.softmax(torch.where(visible, scores * scale, float("-inf")), dim=-1)
     out = torch.matmul(weights[..., :p], past_value) + torch.matmul(weights[..., p:], value)
     out = out.reshape(b, hq, n, d)
-    # a row that sees nothing: all scores -inf, softmax NaN -> 0 (its visible set is its tree row and,
-    # with past_lengths, the valid prefix; without them every prefix row is visible)
-    seen = tree_visible.any(dim=-1, keepdim=True)  # [B or 1, 1, G*N, 1]
-    if past_lengths is not None:
-        seen = seen | (past_lengths.to(torch.int64) > 0)[:, None, None, None]
-    elif p > 0:
-        seen = torch.ones_like(seen)
+    # a row that sees nothing: all scores -inf, softmax NaN -> 0
+    seen = visible.any(dim=-1, keepdim=True)  # [B or 1, 1, G*N, 1]
     seen = seen.reshape(-1, 1, group, n, 1).expand(-1, hkv, group, n, 1).reshape(-1, hq, n, 1)
     return torch.where(seen, out, torch.zeros_like(out[:1, :1, :1, :1]))
 
