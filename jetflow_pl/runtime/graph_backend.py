@@ -55,26 +55,15 @@ class GraphBackend(SequenceBackend):
                 "(re-export with jetflow-export --max-batch N)"
             )
         t, h = config["target"], config["head"]
-        # the batched graphs take every row's length, so their caches may carry padding past the longest
-        # row (`TensorKVGroup`: a tree round's output is not cut and copied dense every round)
-        if kv is None:
-            kv = TensorKVStore(
-                t["num_layers"],
-                t["num_kv_heads"],
-                t["head_dim"],
-                device,
-                num_slots=slots,
-                keep_slack=self.batched,
-            )
-        if head_kv is None:
-            head_kv = TensorKVStore(
-                h["num_layers"],
-                h["num_kv_heads"],
-                h["head_dim"],
-                device,
-                num_slots=slots,
-                keep_slack=self.batched,
-            )
+
+        def store(dims: dict[str, Any]) -> TensorKVStore:
+            # the batched graphs take every row's length, so their caches may carry padding past the
+            # longest row (`TensorKVGroup`: a tree round's output is not cut and copied dense every round)
+            layout = (dims["num_layers"], dims["num_kv_heads"], dims["head_dim"])
+            return TensorKVStore(*layout, device, num_slots=slots, keep_slack=self.batched)
+
+        kv = store(t) if kv is None else kv
+        head_kv = store(h) if head_kv is None else head_kv
         # packed in-block masks by block rows, on the device: the full block's, and each cut block's
         # (`SequenceBackend.block_rows`) once it is first drafted, so no round rebuilds or copies one
         self._block_masks = {
