@@ -257,7 +257,8 @@ class KVGroup:
             raise RuntimeError("a group with a staged forward cannot be merged: commit it first")
         if other.size == 0:
             return
-        width = other.padded
+        # the merged tensors' padded length: the other's when adopted, else both padded to the longer
+        width = other.padded if self.size == 0 else max(self.padded, other.padded)
         if self.size == 0:
             self._adopt(other)
         else:
@@ -265,9 +266,8 @@ class KVGroup:
             if mine or theirs:  # a head cache that has read nothing yet holds no tensors at all
                 mine = mine or [self._zero_rows(t, self.size) for t in theirs]
                 theirs = theirs or [self._zero_rows(t, other.size) for t in mine]
-                p = width = max(self.padded, other.padded)
-                mine = [_pad_to(t, self.pos_axis, p) for t in mine]
-                theirs = [_pad_to(t, self.pos_axis, p) for t in theirs]
+                mine = [_pad_to(t, self.pos_axis, width) for t in mine]
+                theirs = [_pad_to(t, self.pos_axis, width) for t in theirs]
                 self._replace(
                     [
                         torch.cat([a, b.to(a.device)], dim=self.batch_axis)
