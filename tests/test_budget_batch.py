@@ -9,6 +9,7 @@ on the tiny random target with a tiny ladder and assert the structure, never the
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -289,7 +290,7 @@ def test_profile_cache_round_trips_completes_and_refuses_another_model(tiny_targ
     assert path.is_file() and path.is_relative_to(tmp_path) and first.batch_sizes == [2, 4]
     loaded = CostProfile.load(path)
     # every field survives the JSON round trip
-    assert loaded == first and loaded.version == PROFILE_VERSION == 3
+    assert loaded == first and loaded.version == PROFILE_VERSION == 4 and loaded.short_kv is not None
 
     import jetflow_pl.decoding.cost_profile as cp
 
@@ -306,12 +307,18 @@ def test_profile_cache_round_trips_completes_and_refuses_another_model(tiny_targ
     monkeypatch.setattr(cp, "measure_cost_profile", no_measuring)
     monkeypatch.setattr(cp, "measure_batch_costs", recording)
     assert cost_profile_for(backend, max_batch=4).batch_sizes == [2, 4] and asked == []  # covered
-    wider = cost_profile_for(backend, max_batch=8)  # the engine now batches 8: only B = 8 is measured
-    assert asked == [[8]] and wider.batch_sizes == [2, 4, 8] and wider.verify_s == first.verify_s
-    assert CostProfile.load(path).batch_sizes == [2, 4, 8]  # and the cache file now holds it
+    wider = cost_profile_for(backend, max_batch=8)  # the engine now batches 8: only B = 8 is measured,
+    assert asked == [[8], [8]]  # at both KV lengths
+    assert wider.batch_sizes == [2, 4, 8] and wider.verify_s == first.verify_s
+    assert [len(r) for r in wider.short_kv["batch_verify_s"]] == [len(n) for n in wider.batch_nodes]
+    assert CostProfile.load(path) == wider  # and the cache file now holds it
 
     # a version-1 file (no batch dimension) still loads; its batch sizes are measured and written back
-    old = {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("batch_")}
+    old = {
+        k: v
+        for k, v in json.loads(path.read_text()).items()
+        if not k.startswith("batch_") and k != "short_kv"
+    }
     old["version"] = 1
     v1 = tmp_path / "v1.json"
     v1.write_text(json.dumps(old))
@@ -445,6 +452,46 @@ def test_the_decode_loop_tells_auto_each_requests_tokens_left(toy):
     alone = engine.submit(prompts[2], 2)  # ... but one token left: nothing a tree could add
     engine.run()
     assert told[-1] == [1] and alone.result.budgets == [0] and alone.tokens == refs[2][:2]
+
+
+@pair_needed
+def test_the_decode_loop_tells_auto_the_longest_kv_length_of_the_round(toy):
+    """Before every round the policy learns the KV length the round's verify runs at: the longest cache
+    among its requests (prompt + tokens so far, less the anchor not yet in the cache), so its trees are
+    priced at that length; requests of different lengths, joining and leaving."""
+    head, target, prompts, refs = toy
+    told: list[int] = []
+
+    class Recording(AutoBudget):
+        def note_kv_len(self, kv_len):
+            told.append(kv_len)
+            super().note_kv_len(kv_len)
+
+    pol = Recording(GPU, prior(), check_costs=False)
+    gen = SpeculativeGenerator(TorchBackend(target, head, max_batch=2), pol, width=4, eos_token_id=EOS)
+    engine = gen.engine(max_batch=2, prefill_chunk=None)
+    order = sorted(range(4), key=lambda i: -len(prompts[i]))  # the longest prompt leaves first
+    limits = {order[0]: 6, order[1]: 20, order[2]: 20, order[3]: 12}
+    handles: dict[int, object] = {}
+    pending = list(order)
+    while pending or not engine.idle:
+        while pending and engine.num_active + engine.num_waiting < engine.max_batch:
+            i = pending.pop(0)
+            handles[i] = engine.submit(prompts[i], limits[i])
+        before = {i: len(h.result.tokens) for i, h in handles.items() if not h.done}
+        rounds = len(told)
+        engine.step()
+        if len(told) == rounds:
+            continue
+        assert len(told) == rounds + 1
+        # a request prefilled in this step drew its first token (its anchor) before the round
+        expect = max(len(prompts[i]) + max(1, n) - 1 for i, n in before.items())
+        assert told[-1] == expect
+    for i, h in handles.items():
+        assert h.tokens == refs[i][: limits[i]]
+    # the length grew as requests decoded and fell when the longest one left
+    steps = [b - a for a, b in itertools.pairwise(told)]
+    assert max(steps) > 0 > min(steps)
 
 
 @pair_needed

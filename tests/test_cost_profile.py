@@ -70,6 +70,30 @@ def test_measured_profile_shape_and_ratios(backend):
     assert backend.prefill(torch.tensor([3, 4, 5])).shape == (TINY_VOCAB,)
 
 
+def test_a_profile_is_measured_at_a_second_shorter_kv_length_with_the_same_tree_sizes(backend, monkeypatch):
+    """The second point of the KV model (`short_kv`) is a real measurement at kv_len / 4 positions: the
+    backend is prefilled at both lengths, and the short rows have the long rows' shapes."""
+    lengths: list[int] = []
+    real = backend.prefill
+
+    def recording(prompt_ids, *a, **k):
+        lengths.append(int(prompt_ids.shape[-1]))
+        return real(prompt_ids, *a, **k)
+
+    monkeypatch.setattr(backend, "prefill", recording)
+    prof = quick(backend)
+    assert set(lengths) == {32, 8} and lengths[0] == 32  # the first length first, then the second
+    short = prof.short_kv
+    assert short is not None and short["kv_len"] == 8
+    assert [len(short[k]) for k in ("verify_s", "build_s", "draft_s")] == [len(prof.nodes)] * 3
+    assert prof.ar_seconds(1, 8) == short["verify_s"][0] and prof.ar_seconds(1) == prof.verify_s[0]
+    assert "at KV 8" in prof.summary()
+    lengths.clear()
+    assert quick(backend, short_kv_len=0).short_kv is None and set(lengths) == {32}  # asked for none
+    # a context too short for a second point (kv 16 // 4 is under MIN_SHORT_KV) measures one length
+    assert measure_cost_profile(backend, kv_len=16, nodes=(1, 2), repeats=1).short_kv is None
+
+
 def test_ladder_is_capped_by_the_backend_limit_and_the_context(target):
     limited = LimitedBackend(target, head_for(target))
     assert quick(limited).nodes == [1, 2, 5]

@@ -54,6 +54,12 @@ batch-1 ones with costs at B (a probe at B plays the largest budget costing at m
 batched AR steps). On a CPU verify cost grows quickly with B x N, so `auto` shrinks the tree as the
 batch grows and plays AR where speculation cannot pay; a batch of one is exactly the batch-1 policy.
 
+**The KV length.** A round's cost ratio depends on the KV length it runs at (an AR step pays the
+attention over the cache once, a tree's rows share that read but add their compute, so trees cost more
+AR steps on short sequences: `CostProfile` module doc). The decode loop tells the policy the round's
+length before each choice (`note_kv_len`: the longest of its requests, which a padded batch runs at),
+and every cost the policy reads, its clock check included, is the profile's at that length.
+
 **Tokens left.** A request can take at most the tokens it may still produce (`max_new_tokens` minus what
 it has), so a tree's yield for it counts at most that many (`note_remaining`, told by the decode loop
 before each choice): min(tau_i(k), r_i), against AR's one token. A request with one token left gains
@@ -272,8 +278,9 @@ class BudgetPolicy(Protocol):
     prefill (it may use the backend, e.g. to measure costs); `choose` gives the next round's budget;
     `observe` gets the verified tree and the accepted node ids (root first). Optional hooks the decode
     loop calls when a policy has them: `plan_batch(max_batch)` before `start`, `note_remaining(counts)`
-    before each choice (the tokens each request of the round may still produce), `choose_batch` /
-    `observe_batch` / `observe_time` (see `AutoBudget`).
+    and `note_kv_len(length)` before each choice (the tokens each request of the round may still
+    produce; the longest KV length among them), `choose_batch` / `observe_batch` / `observe_time` (see
+    `AutoBudget`).
     """
 
     max_budget: int | None
@@ -401,6 +408,8 @@ class AutoBudget:
         self._batch: Sequence[AcceptanceStats] | None = None
         # the tokens each request of the next round may still produce (`note_remaining`; None: unbounded)
         self._remaining: list[int] | None = None
+        # the KV length the next round runs at (`note_kv_len`; None: the cost profile's own)
+        self._kv_len: int | None = None
         if prior_weight < 0 or probe_rounds < 0 or probe_cost < 1 or explore_every < 1 or probe_every < 1:
             raise ValueError("prior_weight, probe_rounds >= 0; probe_cost, explore_every, probe_every >= 1")
         if not 0 <= explore_margin < 1 or min_gain < 1:
@@ -516,6 +525,13 @@ class AutoBudget:
         `choose_batch`; one for `choose`), or None for no bound. Holds until that round is observed."""
         self._remaining = None if remaining is None else [max(1, int(r)) for r in remaining]
 
+    def note_kv_len(self, kv_len: int | None) -> None:
+        """The KV length the next round runs at: the longest of its requests' (a batch's verify is padded
+        to it), or None for the cost profile's own. Holds until that round is observed. A round's cost
+        ratio depends on it (`CostProfile.cost`): an AR step pays the attention over the cache once, a
+        tree of N nodes N times, so trees are dearer on short sequences."""
+        self._kv_len = None if kv_len is None else max(1, int(kv_len))
+
     def _cap(self, i: int) -> float:
         """The most tokens request `i` of the next round can take (inf: no bound noted)."""
         r = self._remaining
@@ -535,7 +551,7 @@ class AutoBudget:
         slower than AR on evidence that noise produces; a profile that is too dear is fixed by measuring
         it again, not by the clock."""
         assert self.cost is not None, "call start(backend) first"
-        profiled = self.cost.cost(budget, batch)
+        profiled = self.cost.cost(budget, batch, self._kv_len)
         if budget == 0 or not self.check_costs:
             return profiled
         bucket = self._bucket(batch)
@@ -585,7 +601,7 @@ class AutoBudget:
         b = max(1, int(batch))
         if budget != 0 and budget not in self.candidates_at(b):
             return
-        profiled = self.cost.cost(budget, b) * self.cost.ar_seconds(b)
+        profiled = self.cost.cost(budget, b, self._kv_len) * self.cost.ar_seconds(b, self._kv_len)
         key = (self._bucket(b), int(budget))
         if key in self._times and self._session_round - self._timed_at[key] > self.max_check_every:
             self._times[key].clear()  # expired: start over rather than mix in the old load's times
@@ -834,6 +850,7 @@ class AutoBudget:
         self._round += 1
         self._session_round += 1
         self._remaining = None
+        self._kv_len = None
 
     def _round_speeds(
         self, trees: list[DraftTree], accepted: list[Sequence[int]], batch: int = 1
@@ -908,14 +925,19 @@ def choose_round_budget(
     policy: BudgetPolicy,
     requests: Sequence[AcceptanceStats],
     remaining: Sequence[int] | None = None,
+    kv_len: int | None = None,
 ) -> int:
     """The shared budget of one round for a batch of `len(requests)` requests (each request's own
-    acceptance so far in `requests`; `remaining`: the tokens each may still produce, told first to a
-    policy that takes them, `note_remaining`): a batch-aware policy's `choose_batch`, else `choose()`.
-    A batch of one is always `choose()`, so batch-1 decoding is exactly what it was."""
+    acceptance so far in `requests`; `remaining`: the tokens each may still produce, and `kv_len`: the
+    longest KV length among them, told first to a policy that takes them, `note_remaining` /
+    `note_kv_len`): a batch-aware policy's `choose_batch`, else `choose()`. A batch of one is always
+    `choose()`, so batch-1 decoding is exactly what it was."""
     note = getattr(policy, "note_remaining", None)
     if note is not None:
         note(remaining)
+    note_kv = getattr(policy, "note_kv_len", None)
+    if note_kv is not None:
+        note_kv(kv_len)
     choose_batch = getattr(policy, "choose_batch", None)
     if len(requests) > 1 and choose_batch is not None:
         return int(choose_batch(requests))

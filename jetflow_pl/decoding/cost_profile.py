@@ -27,12 +27,24 @@ tokens), and at `MAX_BATCH_TOKENS` rows, so measuring stays bounded. A batch siz
 takes the larger one's costs, and one above the largest is bounded by `B / B_max` times its costs (a
 forward of B rows costs at most that many forwards of B_max rows): both err toward AR. A version-1 file
 (no batch dimension) still loads; the batch sizes it lacks are measured and the file is re-written.
+
+**The KV length.** A round's cost ratio depends on the KV length it runs at: the verify's attention reads
+the whole cache (linear in its length), the rest of the forward does not, and a tree of N nodes pays the
+attention N times where an AR step pays it once. Measured on SmolLM2 with ONNX Runtime at 16 requests,
+budget 16 cost 7.3 AR steps at 64 positions, 5.9 at 128 and 5.2 at 256 (the AR step: 92 / 124 / 168 ms).
+A profile priced at one length under-prices every round on shorter sequences. So a profile is measured at
+two lengths, `kv_len` and `kv_len / SHORT_KV_DIVISOR` (`short_kv`, same tree and batch sizes), and every
+time in it is read at the round's own KV length as an affine function of it, through both points (the
+model the two costs follow: attention linear in the length, everything else constant; at 128 it
+predicted 6.3 for the measured 5.9, the err toward AR). `cost(budget, batch, kv_len)`; the budget
+chooser passes the longest KV length of the round's requests, which a padded batch runs at.
 """
 
 from __future__ import annotations
 
 import datetime
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -59,16 +71,22 @@ log = logging.getLogger(__name__)
 LADDER_NODES = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257)
 #: KV length at which costs are measured (a prompt plus part of a response)
 DEFAULT_KV_LEN = 256
+#: the second KV length a profile is measured at, as a fraction of the first (256 -> 64): a round's cost
+#: ratio depends on the KV length it runs at (see `CostProfile.short_kv`), and two points fix the
+#: affine model of seconds in KV length. Below `MIN_SHORT_KV` positions no second point is measured
+SHORT_KV_DIVISOR = 4
+MIN_SHORT_KV = 8
 DEFAULT_REPEATS = 5
 #: a pass times up to this many back-to-back rounds of one size, enough to fill MIN_SAMPLE_SECONDS
 MAX_INNER_ROUNDS = 8
 MIN_SAMPLE_SECONDS = 0.03
 #: `CostProfile.spread` above this flags a profile measured under load
 NOISY_SPREAD = 0.35
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
 #: versions `CostProfile.load` reads (1: no batch dimension, its batch sizes are measured when needed;
-#: 1 and 2: one draft time for every tree size, the full block's)
-READABLE_VERSIONS = (1, 2, 3)
+#: 1 and 2: one draft time for every tree size, the full block's; 1-3: measured at one KV length only,
+#: every round priced as at that length)
+READABLE_VERSIONS = (1, 2, 3, 4)
 #: the batch sizes a profile covers when nobody says how many requests decode together
 DEFAULT_MEASURED_BATCH = 8
 #: most rows (B x N) of one measured batched verify: bounds the measurement's time and memory
@@ -93,8 +111,10 @@ SETTLE_ROUNDS = 1
 #: measurement fix, the first round after a prefill is no longer timed (`SETTLE_ROUNDS`): profiles
 #: measured before it under-priced the smallest trees, most at large batch sizes; 5: the portable graphs'
 #: attention reads the cache in place (`tree_attention_grouped`) and the batched graphs' caches keep a tree
-#: round's output whole (`TensorKVGroup` slack), so rounds of ONNX Runtime cost less, most at large B)
-COST_REVISION = 5
+#: round's output whole (`TensorKVGroup` slack), so rounds of ONNX Runtime cost less, most at large B;
+#: 6: a measurement change, profiles are measured at a second, shorter KV length (`short_kv`): one
+#: measured at 256 positions only under-priced budget 16 at 16 requests by 30% at 64 positions)
+COST_REVISION = 6
 #: config keys that do not change what a forward computes (paths, versions, bookkeeping)
 _VOLATILE_CONFIG_KEYS = ("transformers_version", "architectures", "dtype", "torch_dtype")
 
@@ -235,6 +255,11 @@ class CostProfile:
     batch_verify_s: list[list[float]] = field(default_factory=list)
     batch_build_s: list[list[float]] = field(default_factory=list)
     batch_draft_s: list[list[float]] = field(default_factory=list)
+    #: the same measurement at a second, shorter KV length: `{"kv_len": L, "verify_s", "build_s",
+    #: "draft_s"` (per tree size, as the fields above), `"batch_verify_s", "batch_build_s",
+    #: "batch_draft_s"` (per batch size and tree size, the same sizes as `batch_nodes`)`}`. None: one KV
+    #: length only (a file before version 4, or a context too short), every round priced at `kv_len`
+    short_kv: dict[str, Any] | None = None
     source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -266,6 +291,33 @@ class CostProfile:
             if not all(t > 0 for t in verify) or min(drafts[-1]) < 0 or any(t < 0 for t in build):
                 raise UserInputError(f"cost profile times at batch {b} must be positive")
         self.batch_draft_s = drafts
+        if self.short_kv is not None:
+            self.short_kv = self._checked_short(self.short_kv)
+
+    def _checked_short(self, short: dict[str, Any]) -> dict[str, Any]:
+        """`short` (see `short_kv`) with every time list shaped as the first length's, else one error."""
+        try:
+            length = int(short["kv_len"])
+            out: dict[str, Any] = {"kv_len": length}
+            for key in ("verify_s", "build_s", "draft_s"):
+                out[key] = [float(x) for x in short[key]]
+                if len(out[key]) != len(self.nodes):
+                    raise ValueError(f"{key} needs one time per tree size ({len(self.nodes)})")
+            for key in ("batch_verify_s", "batch_build_s", "batch_draft_s"):
+                rows = [[float(x) for x in row] for row in short[key]]
+                if [len(r) for r in rows] != [len(n) for n in self.batch_nodes]:
+                    raise ValueError(f"{key} needs the tree sizes of every measured batch size")
+                out[key] = rows
+        except (KeyError, TypeError, ValueError) as err:
+            raise UserInputError(f"cost profile short_kv is malformed ({err})") from None
+        if not 0 < length < self.kv_len:
+            raise UserInputError(f"cost profile short_kv length must be in (0, {self.kv_len}), got {length}")
+        times = [out["verify_s"], *out["batch_verify_s"]]
+        if any(t <= 0 for row in times for t in row) or any(
+            t < 0 for key in ("build_s", "draft_s") for t in out[key]
+        ):
+            raise UserInputError("cost profile short_kv times must be positive")
+        return out
 
     # ---- ratios -----------------------------------------------------------------------------------
     @property
@@ -291,38 +343,33 @@ class CostProfile:
         """t(N)/t(1) for a measured N."""
         return self.verify_s[self._index(n)] / self.t1
 
-    def cost(self, budget: int, batch: int = 1) -> float:
-        """Cost of one round at `budget` for `batch` requests, in (batched) AR steps: 1 for budget 0 (no
-        draft at all), else (t(B, k+1) + draft(B) + build of B trees) / t(B, 1); batch 1 is
-        (t(k+1) + draft + build) / t(1). A batch size that was not measured: see the module docstring."""
+    def cost(self, budget: int, batch: int = 1, kv_len: int | None = None) -> float:
+        """Cost of one round at `budget` for `batch` requests at `kv_len` positions (None: the profile's
+        own `kv_len`), in (batched) AR steps at that length: 1 for budget 0 (no draft at all), else
+        (t(B, k+1) + draft(B) + build of B trees) / t(B, 1); batch 1 is (t(k+1) + draft + build) / t(1).
+        A batch size or KV length that was not measured: see the module docstring."""
         if budget == 0:
             return 1.0
-        if batch <= 1:
-            i = self._index(budget + 1)
-            return (self.verify_s[i] + self.draft_s[i] + self.build_s[i]) / self.t1
-        nodes, verify, build, draft, scale = self._batch_row(batch)
+        nodes, verify, build, draft, scale = self._row(batch, kv_len)
         try:
             i = nodes.index(int(budget) + 1)
         except ValueError:
-            raise ValueError(
-                f"tree size {budget + 1} was not measured at batch {batch} (measured: {nodes})"
-            ) from None
+            where = f" at batch {batch}" if batch > 1 else ""
+            raise ValueError(f"tree size {budget + 1} was not measured{where} (measured: {nodes})") from None
         return scale * (verify[i] + draft[i] + build[i]) / verify[0]
 
     def budgets_at(self, batch: int) -> list[int]:
         """The budgets whose cost is known at `batch` requests per round."""
-        return self.budgets if batch <= 1 else [n - 1 for n in self._batch_row(batch)[0]]
+        return [n - 1 for n in self._row(batch)[0]]
 
     @property
     def max_measured_batch(self) -> int:
         return self.batch_sizes[-1] if self.batch_sizes else 1
 
-    def ar_seconds(self, batch: int = 1) -> float:
-        """Seconds of one AR step of `batch` requests batched, t(B, 1), by the rule of `cost` (the row of
-        the smallest measured size >= B, scaled above the largest)."""
-        if batch <= 1:
-            return self.t1
-        _, verify, _, _, scale = self._batch_row(batch)
+    def ar_seconds(self, batch: int = 1, kv_len: int | None = None) -> float:
+        """Seconds of one AR step of `batch` requests batched, t(B, 1), at `kv_len` positions (None: the
+        profile's `kv_len`), by the rules of `cost`."""
+        _, verify, _, _, scale = self._row(batch, kv_len)
         return scale * verify[0]
 
     def batch_ar_ratio(self, batch: int) -> float | None:
@@ -333,30 +380,51 @@ class CostProfile:
             return None
         return self.batch_verify_s[self.batch_sizes.index(batch)][0] / self.t1
 
-    def _batch_row(self, batch: int) -> tuple[list[int], list[float], list[float], list[float], float]:
-        """(tree sizes, verify s, build s, draft s, scale) for `batch`: the smallest measured batch size
-        >= it (costs grow with B, so this errs toward AR), or above the largest measured one its costs
-        times `batch / B_max` (an upper bound: a forward of B rows costs at most B / B_max forwards of
-        B_max rows, and t(B, 1) >= t(B_max, 1)). No batch dimension: B_max is 1."""
+    def _row(
+        self, batch: int, kv_len: int | None = None
+    ) -> tuple[list[int], list[float], list[float], list[float], float]:
+        """(tree sizes, verify s, build s, draft s, scale) of a round of `batch` requests (`_batch_index`;
+        batch 1: the single-request ladder), every time read at `kv_len` positions (`_at_kv`)."""
+        if batch <= 1:
+            row: int | None = None
+            nodes, verify, build, draft, scale = self.nodes, self.verify_s, self.build_s, self.draft_s, 1.0
+        else:
+            row, scale = self._batch_index(batch)
+            if row is None:  # no batch dimension: the single-request row, times B
+                nodes, verify, build, draft = self.nodes, self.verify_s, self.build_s, self.draft_s
+            else:
+                nodes = self.batch_nodes[row]
+                verify, build, draft = (
+                    self.batch_verify_s[row],
+                    self.batch_build_s[row],
+                    self.batch_draft_s[row],
+                )
+        short = self.short_kv
+        if kv_len is None or short is None or int(kv_len) == self.kv_len:
+            return nodes, verify, build, draft, scale
+        prefix = "" if row is None else "batch_"
+
+        def at(key: str, long: list[float]) -> list[float]:
+            low = short[prefix + key] if row is None else short[prefix + key][row]
+            return _at_kv(low, long, short["kv_len"], self.kv_len, int(kv_len))
+
+        # a tree of more nodes never costs less than a smaller one, nor a deeper draft less: an
+        # extrapolated time keeps the order the measured ones have
+        verify_at = list(itertools.accumulate(at("verify_s", verify), max))
+        draft_at = list(itertools.accumulate(at("draft_s", draft), max))
+        return nodes, verify_at, at("build_s", build), draft_at, scale
+
+    def _batch_index(self, batch: int) -> tuple[int | None, float]:
+        """(row of the batch dimension, scale) that prices `batch` requests: the smallest measured batch
+        size >= it (costs grow with B, so this errs toward AR), or above the largest measured one its
+        costs times `batch / B_max` (an upper bound: a forward of B rows costs at most B / B_max forwards
+        of B_max rows, and t(B, 1) >= t(B_max, 1)). No batch dimension: row None (the single-request
+        ladder) and scale B."""
         i = bisect_left(self.batch_sizes, int(batch))
         if i < len(self.batch_sizes):
-            return (
-                self.batch_nodes[i],
-                self.batch_verify_s[i],
-                self.batch_build_s[i],
-                self.batch_draft_s[i],
-                1.0,
-            )
+            return i, 1.0
         top = self.max_measured_batch
-        if top == 1:
-            return self.nodes, self.verify_s, self.build_s, self.draft_s, float(batch)
-        return (
-            self.batch_nodes[-1],
-            self.batch_verify_s[-1],
-            self.batch_build_s[-1],
-            self.batch_draft_s[-1],
-            batch / top,
-        )
+        return (None, float(batch)) if top == 1 else (len(self.batch_sizes) - 1, batch / top)
 
     def _index(self, n: int) -> int:
         try:
@@ -384,6 +452,15 @@ class CostProfile:
                 f"; batch {b}: t({b},1) {verify[0] / self.t1:.2f} t(1), t({b},N)/t({b},1) {per}, "
                 f"full draft {draft[-1] / verify[0]:.2f}"
             )
+        if self.short_kv is not None:
+            at = self.short_kv["kv_len"]
+            line += (
+                f"; at KV {at} (measured at {self.kv_len} above): t(1) {self.ar_seconds(1, at) * 1e3:.2f} ms"
+            )
+            for b in [1, *self.batch_sizes]:
+                nodes = self.budgets_at(b)
+                per = " ".join(f"{k + 1}:{self.cost(k, b, at):.2f}" for k in nodes[1:])
+                line += f", cost{'' if b == 1 else f' at batch {b}'} {per}"
         if self.noisy:
             load = f", load average {self.load_average:.1f}" if self.load_average is not None else ""
             line += (
@@ -480,10 +557,13 @@ def measure_cost_profile(
     seed: int = 0,
     max_batch: int | None = None,
     batch_repeats: int = BATCH_REPEATS,
+    short_kv_len: int | None = None,
 ) -> CostProfile:
     """Time the backend's own round steps for every tree size of the ladder (see the module docstring),
     and, where the backend batches, the batch dimension for `batch_sizes_for(backend, max_batch)`
-    (`measure_batch_costs`, `batch_repeats` passes).
+    (`measure_batch_costs`, `batch_repeats` passes); then both again at `short_kv_len` positions (None:
+    `kv_len / SHORT_KV_DIVISOR`; 0, or under `MIN_SHORT_KV`: not measured) for the same tree and batch
+    sizes (`CostProfile.short_kv`).
 
     One warm-up pass, then `repeats` timed passes, each after a fresh prefill of `kv_len` seeded random
     tokens (token values do not change the cost of a forward) and `SETTLE_ROUNDS` untimed AR rounds (the
@@ -503,6 +583,68 @@ def measure_cost_profile(
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     t_start = time.perf_counter()
     ladder, kv_len, device, prompt, anchor = _measurement_setup(backend, kv_len, nodes, seed)
+    single = _measure_single(backend, ladder, prompt, anchor, device, repeats, width)
+    sizes = batch_sizes_for(backend, max_batch)
+    batched = measure_batch_costs(backend, sizes, kv_len, nodes, batch_repeats, width, seed)
+    short = short_kv_for(kv_len, short_kv_len)
+    short_kv = None
+    if short:
+        _, _, _, short_prompt, short_anchor = _measurement_setup(backend, short, nodes, seed)
+        low = _measure_single(backend, ladder, short_prompt, short_anchor, device, repeats, width)
+        low_batched = measure_batch_costs(
+            backend, sizes, short, nodes, batch_repeats, width, seed, ladders=batched["nodes"]
+        )
+        short_kv = _short_kv(short, low, low_batched)
+    return CostProfile(
+        fingerprint=fingerprint(backend),
+        nodes=ladder,
+        verify_s=single["verify_s"],
+        build_s=single["build_s"],
+        draft_s=single["draft_s"],
+        kv_len=kv_len,
+        repeats=repeats,
+        name=model_identity(backend)["name"],
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        measure_seconds=time.perf_counter() - t_start,
+        spread=single["spread"],
+        load_average=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        batch_sizes=batched["sizes"],
+        batch_nodes=batched["nodes"],
+        batch_verify_s=batched["verify_s"],
+        batch_build_s=batched["build_s"],
+        batch_draft_s=batched["draft_s"],
+        short_kv=short_kv,
+    )
+
+
+def short_kv_for(kv_len: int, short_kv_len: int | None = None) -> int:
+    """The second KV length a profile measured at `kv_len` is measured at (0: none): `short_kv_len`, or
+    by default `kv_len // SHORT_KV_DIVISOR`; none below `MIN_SHORT_KV` or at `kv_len` and above."""
+    short = kv_len // SHORT_KV_DIVISOR if short_kv_len is None else int(short_kv_len)
+    return short if MIN_SHORT_KV <= short < kv_len else 0
+
+
+def _short_kv(length: int, single: dict[str, Any], batched: dict[str, list]) -> dict[str, Any]:
+    """`CostProfile.short_kv` from the measurements at the second length."""
+    return {
+        "kv_len": length,
+        **{k: single[k] for k in ("verify_s", "build_s", "draft_s")},
+        **{f"batch_{k}": batched[k] for k in ("verify_s", "build_s", "draft_s")},
+    }
+
+
+@torch.no_grad()
+def _measure_single(
+    backend: DecodeBackend,
+    ladder: Sequence[int],
+    prompt: torch.Tensor,
+    anchor: int,
+    device: torch.device,
+    repeats: int,
+    width: int,
+) -> dict[str, Any]:
+    """The single-request half of `measure_cost_profile` on one prompt: `{"verify_s", "build_s",
+    "draft_s"}` per tree size of `ladder` and the samples' `spread`."""
 
     def one_round(n: int) -> tuple[float, float, float]:
         """(draft, build, verify + accept + commit) seconds of one round with a tree of `n` nodes."""
@@ -564,29 +706,12 @@ def measure_cost_profile(
     build_s = [0.0 if n == 1 else base * statistics.median(build[n]) for n in ladder]
     draft_s = _draft_seconds(ladder, draft, base)
     spreads = [_relative_iqr(ratio[n]) for n in ladder[1:] if len(ratio[n]) >= 4]
-    fp = fingerprint(backend)
-    batched = measure_batch_costs(
-        backend, batch_sizes_for(backend, max_batch), kv_len, nodes, batch_repeats, width, seed
-    )
-    return CostProfile(
-        fingerprint=fp,
-        nodes=ladder,
-        verify_s=verify_s,
-        build_s=build_s,
-        draft_s=draft_s,
-        kv_len=kv_len,
-        repeats=repeats,
-        name=model_identity(backend)["name"],
-        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        measure_seconds=time.perf_counter() - t_start,
-        spread=statistics.median(spreads) if spreads else 0.0,
-        load_average=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-        batch_sizes=batched["sizes"],
-        batch_nodes=batched["nodes"],
-        batch_verify_s=batched["verify_s"],
-        batch_build_s=batched["build_s"],
-        batch_draft_s=batched["draft_s"],
-    )
+    return {
+        "verify_s": verify_s,
+        "build_s": build_s,
+        "draft_s": draft_s,
+        "spread": statistics.median(spreads) if spreads else 0.0,
+    }
 
 
 def batch_sizes_for(backend: Any, max_batch: int | None = None) -> list[int]:
@@ -616,6 +741,7 @@ def measure_batch_costs(
     repeats: int = BATCH_REPEATS,
     width: int = 4,
     seed: int = 0,
+    ladders: Sequence[Sequence[int]] | None = None,
 ) -> dict[str, list]:
     """The batch dimension of a cost profile (the `batch_*` fields of `CostProfile`), measured through the
     backend's batch protocol (`prefill(prompt, slot)`, `draft_batch` / `verify_batch` / `commit_batch`,
@@ -624,16 +750,19 @@ def measure_batch_costs(
     batched, then B trees of N nodes in one draft and one verify), at least `MIN_BATCH_PAIRS` per size and
     pass, ratios as medians of the pairs. At each B the ladder stops after the first N
     whose round already costs more than `block_size` batched AR steps (no round can commit more tokens per
-    request, so no larger N can pay) and at `MAX_BATCH_TOKENS` rows. Leaves every slot it used released.
+    request, so no larger N can pay) and at `MAX_BATCH_TOKENS` rows; `ladders` (one per batch size, in
+    increasing order of B) fixes the tree sizes instead, so a second KV length is measured at exactly the
+    sizes of the first (`CostProfile.short_kv`). Leaves every slot it used released.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     ladder, kv_len, device, prompt, anchor = _measurement_setup(backend, kv_len, nodes, seed)
     most_tokens = max(int(backend.block_size), 1)
     out: dict[str, list] = {k: [] for k in ("sizes", "nodes", "verify_s", "build_s", "draft_s")}
-    for b in sorted(set(int(x) for x in batch_sizes)):
-        if b < 2:
-            continue
+    order = [b for b in sorted(set(int(x) for x in batch_sizes)) if b >= 2]
+    if ladders is not None and len(ladders) != len(order):
+        raise ValueError(f"ladders: one per batch size {order}, got {len(ladders)}")
+    for j, b in enumerate(order):
         slots = list(range(b))
 
         def one_round(n: int, slots: list[int] = slots) -> tuple[float, float, float]:
@@ -643,8 +772,8 @@ def measure_batch_costs(
         _prefill_slots(backend, slots, prompt)
         t_ar = min(one_round(1)[2], one_round(1)[2])
         sizes, inner = [1], {1: 1}
-        for n in ladder[1:]:
-            if b * n > MAX_BATCH_TOKENS:
+        for n in ladder[1:] if ladders is None else list(ladders[j])[1:]:
+            if ladders is None and b * n > MAX_BATCH_TOKENS:
                 break
             t = sum(one_round(n))
             sizes.append(n)
@@ -652,7 +781,8 @@ def measure_batch_costs(
                 MIN_BATCH_PAIRS,
                 min(MAX_INNER_ROUNDS, math.ceil(MIN_SAMPLE_SECONDS / max(t + t_ar, 1e-9))),
             )
-            if t / t_ar > 1.5 * most_tokens:  # 1.5: one slow warm-up round must not cut the ladder short
+            # 1.5: one slow warm-up round must not cut the ladder short
+            if ladders is None and t / t_ar > 1.5 * most_tokens:
                 break
         base: list[float] = []
         ratio: dict[int, list[float]] = {n: [] for n in sizes[1:]}
@@ -681,6 +811,24 @@ def measure_batch_costs(
         out["verify_s"].append([t_b1 * r for r in isotonic(medians)])
         out["build_s"].append([0.0 if n == 1 else t_b1 * statistics.median(build[n]) for n in sizes])
         out["draft_s"].append(_draft_seconds(sizes, draft, t_b1))
+    return out
+
+
+def _at_kv(
+    short: Sequence[float], long: Sequence[float], short_len: int, long_len: int, kv: int
+) -> list[float]:
+    """Times measured at `short_len` and `long_len` positions, read at `kv` positions: per entry the
+    line through both points (attention linear in the length, the rest constant: module docstring),
+    never below the line through the origin and the shorter point (a cost of the form a + b * L with
+    a, b >= 0 is at least that below `short_len`). Where noise made the longer time the smaller one, the
+    entry does not depend on the length: the mean of the two."""
+    out = []
+    for lo, hi in zip(short, long, strict=True):
+        if hi < lo:
+            out.append((lo + hi) / 2)
+            continue
+        t = lo + (hi - lo) * (kv - short_len) / (long_len - short_len)
+        out.append(max(t, lo * max(kv, 1) / short_len) if kv < short_len else t)
     return out
 
 
@@ -735,34 +883,38 @@ def _batched_round(
     return d_s, b_s, time.perf_counter() - t3
 
 
-def with_batch_costs(prof: CostProfile, measured: dict[str, list]) -> CostProfile:
-    """`prof` with the batch sizes of `measured` (`measure_batch_costs`) added (replacing equal ones)."""
+def with_batch_costs(
+    prof: CostProfile, measured: dict[str, list], short_measured: dict[str, list] | None = None
+) -> CostProfile:
+    """`prof` with the batch sizes of `measured` (`measure_batch_costs`) added (replacing equal ones);
+    `short_measured`: the same sizes at `prof.short_kv`'s length, without which a profile with a second
+    KV length drops it (its batch rows would no longer cover every batch size)."""
+    keys = ("nodes", "verify_s", "build_s", "draft_s")
     rows = {
-        b: (n, v, bl, d)
-        for b, n, v, bl, d in zip(
-            prof.batch_sizes,
-            prof.batch_nodes,
-            prof.batch_verify_s,
-            prof.batch_build_s,
-            prof.batch_draft_s,
-            strict=True,
-        )
+        b: [
+            prof_row[i]
+            for prof_row in (prof.batch_nodes, prof.batch_verify_s, prof.batch_build_s, prof.batch_draft_s)
+        ]
+        for i, b in enumerate(prof.batch_sizes)
     }
-    for b, n, v, bl, d in zip(
-        measured["sizes"],
-        measured["nodes"],
-        measured["verify_s"],
-        measured["build_s"],
-        measured["draft_s"],
-        strict=True,
-    ):
-        rows[b] = (n, v, bl, d)
+    for i, b in enumerate(measured["sizes"]):
+        rows[b] = [measured[k][i] for k in keys]
     order = sorted(rows)
+    short = prof.short_kv
+    if short is not None and short_measured is None:
+        log.info("cost profile: batch sizes added without the KV length %s, dropping it", short["kv_len"])
+        short = None
+    if short is not None and short_measured is not None:
+        low = {b: [short[f"batch_{k}"][i] for k in keys[1:]] for i, b in enumerate(prof.batch_sizes)}
+        for i, b in enumerate(short_measured["sizes"]):
+            low[b] = [short_measured[k][i] for k in keys[1:]]
+        for j, k in enumerate(keys[1:]):
+            short[f"batch_{k}"] = [low[b][j] for b in order]
     prof.batch_sizes = order
-    prof.batch_nodes = [rows[b][0] for b in order]
-    prof.batch_verify_s = [rows[b][1] for b in order]
-    prof.batch_build_s = [rows[b][2] for b in order]
-    prof.batch_draft_s = [rows[b][3] for b in order]
+    prof.batch_nodes, prof.batch_verify_s, prof.batch_build_s, prof.batch_draft_s = (
+        [rows[b][j] for b in order] for j in range(len(keys))
+    )
+    prof.short_kv = short
     prof.version = PROFILE_VERSION
     prof.__post_init__()
     return prof
@@ -819,7 +971,12 @@ def _complete(backend: Any, prof: CostProfile, max_batch: int | None, file: Path
         return prof
     log.info("cost profile %s lacks batch sizes %s: measuring them", prof.source or "(given)", missing)
     source = prof.source
-    with_batch_costs(prof, measure_batch_costs(backend, missing, prof.kv_len, prof.nodes))
+    measured = measure_batch_costs(backend, missing, prof.kv_len, prof.nodes)
+    short = None
+    if prof.short_kv is not None:
+        at = prof.short_kv["kv_len"]
+        short = measure_batch_costs(backend, missing, at, prof.nodes, ladders=measured["nodes"])
+    with_batch_costs(prof, measured, short)
     prof.source = f"{source} (batch sizes {missing} measured now)"
     if file is not None:
         try:

@@ -192,11 +192,12 @@ class SpeculativeGenerator:
         slots = [r.slot for r in requests]
         # what each request may still produce: a tree yields a request at most that many tokens
         left = [r.max_new_tokens - len(r.handle.result.tokens) for r in requests]
-        shared = choose_round_budget(self.budget_policy, [r.stats for r in requests], left)
+        # the anchor sits at `past_len`; a depth-d node at `past_len + d` must stay inside the context.
+        # The round's verify runs at the longest of them (a batch is padded to it), which prices its trees
+        past = [batch.past_length(s) for s in slots]
+        shared = choose_round_budget(self.budget_policy, [r.stats for r in requests], left, max(past))
         budgets = [shared if r.budget is None else r.budget for r in requests]
         started = time.perf_counter()
-        # the anchor sits at `past_len`; a depth-d node at `past_len + d` must stay inside the context
-        past = [batch.past_length(s) for s in slots]
         depth = [batch.max_positions - 1 - p for p in past]
         drafting = [k > 0 and d >= 1 for k, d in zip(budgets, depth, strict=True)]
         lps = None
