@@ -18,7 +18,14 @@ from jetflow_pl.errors import MissingPathError, UserInputError
 from jetflow_pl.head.cache import HeadCache
 from jetflow_pl.runtime import BACKEND_KINDS, load_backend
 from jetflow_pl.runtime.hf_cache import cache_length
-from jetflow_pl.runtime.kv_store import BufferKVStore, HeadCacheStore, HFCacheStore, TensorKVStore
+from jetflow_pl.runtime.kv_store import (
+    VACANT,
+    BufferKVStore,
+    HeadCacheStore,
+    HFCacheStore,
+    KVGroup,
+    TensorKVStore,
+)
 from jetflow_pl.runtime.sequence import SequenceBackend, TapQueue, topk_to_dense
 from jetflow_pl.runtime.torch_backend import TorchBackend
 from jetflow_pl.target import TargetModel
@@ -248,15 +255,106 @@ def test_a_store_keeping_slack_keeps_a_tree_rounds_output_whole_until_the_slack_
     g = store.group(2)
     want[2].append(_batch_forward(store, g, 3, seed=2)[0])
     g.commit()
+    width, before = group.padded, group.past()[0].data_ptr()
     store.reset(0)
-    group = store.join([1, 2])
-    assert group.rows == [1, 2] and group.lengths == [12, 3] and group.slack == 0
+    group = store.join([1, 2])  # slot 2 takes over slot 0's row in place: only its own rows are written
+    assert group.rows == [2, 1] and group.lengths == [3, 12] and group.padded == width
+    assert group.past()[0].data_ptr() == before
     tree_round(4, [[0, 1, 2], [0, 1]], seed=15)
     past_k, _ = group.past()
     for r, slot in enumerate(group.rows):
         wk = torch.cat(want[slot], dim=3)
         assert group.lengths[r] == wk.shape[3]
         assert torch.equal(past_k[:, r : r + 1, :, : wk.shape[3]], wk)
+
+
+@pytest.mark.parametrize("kind", ["tensor", "tensor_slack", "hf_cache", "head_cache"])
+def test_requests_leaving_and_joining_reuse_rows_in_place_and_every_row_reads_back_exactly(kind):
+    """Continuous batching's churn: a leaving request's row turns vacant; a joiner that fits takes it
+    over in place (no copy of the batch); vacancies nobody takes are dropped at the join, joiners that do
+    not fit appended in one copy; a batch whose last request leaves frees its tensors. Through all of it,
+    every request reads back exactly the rows it kept, as if decoded alone."""
+    store = _stores(num_slots=7)[kind]
+    want: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    seed = iter(range(1000))
+
+    def prefill(slot: int, n: int) -> None:
+        g = store.group(slot)
+        want[slot] = [_batch_forward(store, g, n, seed=next(seed))]
+        g.commit()
+
+    def round_(slots: list[int], n: int, keep: int) -> KVGroup:
+        group = store.join(slots)
+        k, v = _batch_forward(store, group, n, seed=next(seed))
+        idx = torch.arange(keep)
+        group.commit([idx] * group.size)
+        for r, slot in enumerate(group.rows):
+            want[slot].append((k[:, r : r + 1].index_select(3, idx), v[:, r : r + 1].index_select(3, idx)))
+        return group
+
+    def check(group: KVGroup) -> None:
+        assert VACANT not in group.rows and group.live == group.size
+        got_k, got_v = _group_rows(store, group)
+        assert got_k.shape[3] == group.padded  # what the next forward is told the tensors hold
+        for r, slot in enumerate(group.rows):
+            wk, wv = (torch.cat([w[j] for w in want[slot]], dim=3) for j in (0, 1))
+            n = group.lengths[r]
+            assert n == wk.shape[3]
+            assert torch.equal(got_k[:, r : r + 1, :, :n], wk) and torch.equal(got_v[:, r : r + 1, :, :n], wv)
+
+    for slot, n in ((0, 7), (1, 3), (2, 5)):
+        prefill(slot, n)
+    group = round_([0, 1, 2], 4, 2)  # three join at once: one copy
+    assert group.rows == [0, 1, 2] and group.lengths == [9, 5, 7]
+    check(group)
+    store.reset(1)  # leaves: vacant until the next join, its slot is free now
+    assert group.rows == [0, VACANT, 2] and group.live == 2 and store.length(1) == 0
+    prefill(3, 6)  # fits the padded length (9): takes row 1 over, in place
+    group = round_([0, 2, 3], 3, 1)
+    assert group.rows == [0, 3, 2] and group.lengths == [10, 7, 8] and store.batch is group
+    check(group)
+    store.reset(0)  # the longest leaves; its replacement is longer than every row left, inside the width
+    prefill(6, 9)
+    group = round_([3, 2, 6], 1, 1)
+    assert group.rows == [6, 3, 2] and group.lengths == [10, 8, 9]
+    check(group)
+    # two leave, one joiner that fits and one that does not: one row reused, the other joiner appended
+    store.reset(6)
+    store.reset(2)
+    prefill(4, 2)
+    prefill(5, 30)
+    group = round_([3, 4, 5], 2, 2)
+    assert sorted(group.rows) == [3, 4, 5] and group.size == 3 and group.rows[-1] == 5
+    check(group)
+    # one leaves and nobody joins: the vacancy is dropped at the next join
+    store.reset(4)
+    group = round_([3, 5], 1, 1)
+    assert group.rows == [3, 5]
+    check(group)
+    for slot in (3, 5):  # the last request leaves: the batch holds no tensors any more
+        store.reset(slot)
+    assert store.batch.size == 0
+    if kind.startswith("tensor"):
+        assert store.batch._kv is None
+
+
+def test_a_joiner_taking_a_vacant_row_costs_a_copy_of_itself_not_of_the_batch():
+    """The point of vacant rows: the batch's tensors are written in place (same storage before and
+    after the join), so a request replacing a finished one does not re-lay out every other request."""
+    store = TensorKVStore(L, H, D, num_slots=3)
+    for slot, n in ((0, 6), (1, 4)):
+        g = store.group(slot)
+        _batch_forward(store, g, n, seed=slot)
+        g.commit()
+    group = store.join([0, 1])
+    past = group.past()[0]
+    store.reset(0)
+    g = store.group(2)
+    k, _ = _batch_forward(store, g, 5, seed=9)
+    g.commit()
+    assert store.join([1, 2]) is group and group.rows == [2, 1] and group.lengths == [5, 4]
+    assert group.past()[0].data_ptr() == past.data_ptr()  # same tensor: nothing re-allocated
+    assert torch.equal(group.past()[0][:, 0:1, :, :5], k)
 
 
 def test_an_uncommitted_forward_is_discarded_by_the_next_one():
