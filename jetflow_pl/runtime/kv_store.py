@@ -20,8 +20,8 @@ moves alone slots into the store's decode batch, the group every batched round r
 frees a slot at once: it leaves its group, where its row turns *vacant* (`KVGroup.vacate`) until the
 next `join`, which hands the row to a request that joins (its own rows written in place) or drops it;
 so requests join and leave between rounds (continuous batching) without re-laying out the whole batch
-each time one does. A batch whose last request leaves frees its tensors at once. The per-slot calls (`length(slot)`, `stage(n, present, slot)`,
-`commit(keep, slot)`) work on a slot whose group is that slot alone (the batch-1 backends use slot 0).
+each time one does. A batch whose last request leaves frees its tensors at once. The per-slot calls
+(`length(slot)`, `stage(n, present, slot)`, `commit(keep, slot)`) work on a slot whose group is that slot alone (the batch-1 backends use slot 0).
 
 What differs between runtimes is only who holds the memory and who appends:
 
@@ -110,16 +110,6 @@ class KVStore(Protocol):
 # --------------------------------------------------------------------------------------------------
 # row bookkeeping shared by every memory layout
 # --------------------------------------------------------------------------------------------------
-
-
-def _pad_to(x: Tensor, axis: int, length: int) -> Tensor:
-    """`x` zero-padded along `axis` to `length` rows (padding is never visible; zeros keep it finite)."""
-    have = int(x.shape[axis])
-    if have == length:
-        return x
-    shape = list(x.shape)
-    shape[axis] = length - have
-    return torch.cat([x, x.new_zeros(shape)], dim=axis)
 
 
 def _is_prefix(keep: Tensor) -> bool:
@@ -386,11 +376,6 @@ class KVGroup:
                 ]
             )
         self.rows, self.lengths, self.staged, self.slack = slots, lengths, 0, 0
-
-    def _zero_rows(self, like: Tensor, rows: int) -> Tensor:
-        shape = list(like.shape)
-        shape[self.batch_axis] = rows
-        return like.new_zeros(shape)
 
     def _clear(self) -> None:
         """Drop every tensor (the group has no rows)."""
