@@ -86,7 +86,10 @@ def test_a_profile_is_measured_at_a_second_shorter_kv_length_with_the_same_tree_
     short = prof.short_kv
     assert short is not None and short["kv_len"] == 8
     assert [len(short[k]) for k in ("verify_s", "build_s", "draft_s")] == [len(prof.nodes)] * 3
-    assert prof.ar_seconds(1, 8) == short["verify_s"][0] and prof.ar_seconds(1) == prof.verify_s[0]
+    # read at the short point: its own measurement, unless timing noise made the longer length the faster
+    # one, where the documented rule (`_at_kv`) treats the step as length-free and takes the mean of both
+    lo, hi = short["verify_s"][0], prof.verify_s[0]
+    assert prof.ar_seconds(1, 8) == (lo if hi >= lo else (lo + hi) / 2) and prof.ar_seconds(1) == hi
     assert "at KV 8" in prof.summary()
     lengths.clear()
     assert quick(backend, short_kv_len=0).short_kv is None and set(lengths) == {32}  # asked for none
