@@ -31,14 +31,40 @@ def test_bench_batching_smoke_without_warmup(tmp_path, monkeypatch):
     assert set(res["results"]) == {"0", "4", "auto"}
     for budget, row in res["results"].items():
         assert set(row) == {"1", "2"}
-        for cell in row.values():
+        for batch, cell in row.items():
             assert cell["tokens_per_s"] > 0 and len(cell["tokens_per_s_repeats"]) == 1
             played = cell["budgets_played"]
+            # 3 requests through 1 or 2 slots: the last one joins a running batch, so a steady part exists
+            assert (
+                len(cell["steady_tokens_per_s_repeats"]) == 1 and cell["steady_tokens_per_s_repeats"][0] > 0
+            )
+            assert 0 < cell["prefill_share"] < 1
+            assert 1.0 <= cell["occupancy"] <= int(batch)  # a round decodes at least one request, at most B
             if budget == "0":
                 assert set(played) == {"0"} and cell["speedup_vs_ar"] == 1.0
+                assert cell["speedup_vs_ar_repeats"] == [1.0] == cell["steady_speedup_vs_ar_repeats"]
             elif budget == "4":
                 assert set(played) == {"4"}
     assert set(res["auto_cost_view"]) == {"1", "2"}
+
+
+def test_closed_loop_has_no_steady_part_when_every_request_fits_the_first_batch(monkeypatch):
+    """All requests in the first batch: the loop is ramp and drain only, so no steady throughput is
+    claimed; AR keeps both requests in every round (equal lengths, no EOS this early: occupancy 2)."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import batching
+
+    from jetflow_pl.decoding import SpeculativeGenerator
+    from jetflow_pl.head import DraftHead
+    from jetflow_pl.runtime.torch_backend import TorchBackend
+    from jetflow_pl.target import TargetModel
+
+    head = DraftHead.from_pretrained(str(HEAD)).eval()
+    target = TargetModel.from_pretrained(SMALL, head.config.target_layer_ids)
+    gen = SpeculativeGenerator(TorchBackend(target, head, max_batch=2), 0, 4)
+    level = batching.closed_loop(gen, 2, [[5, 6, 7], [8, 9]], 2, 3)
+    assert level["steady_tokens_per_s"] is None and level["steady_share"] is None
+    assert level["tokens"] == 6 and level["occupancy"] == 2.0
 
 
 def test_bench_batching_refuses_a_run_with_no_timed_request(tmp_path, monkeypatch):
