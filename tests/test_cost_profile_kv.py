@@ -138,6 +138,10 @@ def test_a_malformed_second_length_is_one_clear_error():
     zero = [0.0] * len(LADDER_NODES)
     with pytest.raises(UserInputError, match="short_kv times must be positive"):
         CostProfile(**dict(good, short_kv=dict(good["short_kv"], verify_s=zero)))
+    # a negative batched draft time (a corrupt or hand-edited file) is refused too, not read as a discount
+    negative = [[-x for x in row] for row in good["short_kv"]["batch_draft_s"]]
+    with pytest.raises(UserInputError, match="short_kv times must be positive"):
+        CostProfile(**dict(good, short_kv=dict(good["short_kv"], batch_draft_s=negative)))
 
 
 def test_a_profile_with_two_lengths_survives_the_file_round_trip(tmp_path):

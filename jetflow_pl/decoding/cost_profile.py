@@ -313,9 +313,8 @@ class CostProfile:
         if not 0 < length < self.kv_len:
             raise UserInputError(f"cost profile short_kv length must be in (0, {self.kv_len}), got {length}")
         times = [out["verify_s"], *out["batch_verify_s"]]
-        if any(t <= 0 for row in times for t in row) or any(
-            t < 0 for key in ("build_s", "draft_s") for t in out[key]
-        ):
+        extras = [out["build_s"], out["draft_s"], *out["batch_build_s"], *out["batch_draft_s"]]
+        if any(t <= 0 for row in times for t in row) or any(t < 0 for row in extras for t in row):
             raise UserInputError("cost profile short_kv times must be positive")
         return out
 
