@@ -106,3 +106,38 @@ def test_engine_ab_compares_engine_dirs_side_by_side(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as refused:  # the same directory twice would merge two columns
         engine_ab.main(["--engine-dirs", str(first), str(first), "--out", str(out)])
     assert refused.value.code == 2
+
+
+def test_round_patterns_times_each_budget_of_the_pattern_and_stays_lossless(tmp_path, monkeypatch):
+    """bench/round_patterns.py on the toy pair: each pattern plays exactly its budgets (alt: AR and 1 in
+    turn, so their round counts differ by at most one), every request's tokens equal AR's (the bench would
+    stop otherwise), and the summary holds a round median for every budget played."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import round_patterns
+
+    out = tmp_path / "r.json"
+    argv = ["--target", str(SMALL), "--head", str(HEAD), "--batch", "2", "--max-tokens", "12"]
+    argv += ["--prompts", str(REPO / "data_gen/toy/assets/heldout_prompts/math.jsonl"), "--n-prompts", "2"]
+    argv += ["--repeats", "1", "--patterns", "steady1", "alt", "--out", str(out)]
+    assert round_patterns.main(argv) == 0
+    res = json.loads(out.read_text())
+    assert list(res["runs"]) == ["ar", "steady1", "alt"]  # the AR reference is added first
+    played = {name: waves[0]["rounds"] for name, waves in res["runs"].items()}
+    assert set(played["ar"]) == {"0"} and set(played["steady1"]) == {"1"}
+    assert set(played["alt"]) == {"0", "1"}
+    assert played["alt"]["0"]["rounds"] - played["alt"]["1"]["rounds"] in (0, 1)  # AR first, then turns
+    # lossless: every pattern decodes the same tokens, so the same count
+    assert (
+        len({waves[0]["tokens"] for waves in res["runs"].values()}) == 1
+        and res["runs"]["ar"][0]["tokens"] > 2
+    )
+    for name in res["runs"]:
+        assert set(res["summary"][name]["round_median_ms"]) == set(played[name])
+
+
+def test_pattern_budget_cycles_its_pattern(monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    from round_patterns import PatternBudget
+
+    pol = PatternBudget([0, 0, 1])
+    assert pol.max_budget == 1 and [pol.choose() for _ in range(7)] == [0, 0, 1, 0, 0, 1, 0]
