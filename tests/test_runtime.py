@@ -162,6 +162,15 @@ def _batch_forward(store, group, n: int, seed: int) -> tuple[torch.Tensor, torch
     return k, v
 
 
+def _prefill_alone(store, slot: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`slot` prefilled on its own with `n` rows (one forward over its one-row group, committed), as a
+    request is before it joins the batch; returns those rows `[L, 1, H, n, D]`."""
+    g = store.group(slot)
+    rows = _batch_forward(store, g, n, seed)
+    g.commit()
+    return rows
+
+
 @pytest.mark.parametrize("kind", ["tensor", "tensor_slack", "hf_cache", "head_cache"])
 def test_a_ragged_batch_keeps_each_rows_prefix_plus_its_own_kept_rows(kind):
     """Rows of different lengths keep different rows each round: every row must read back exactly the
@@ -169,9 +178,7 @@ def test_a_ragged_batch_keeps_each_rows_prefix_plus_its_own_kept_rows(kind):
     store = _stores(num_slots=2)[kind]
     want: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[], []]
     for slot, n in ((0, 5), (1, 2)):  # each slot prefilled alone, to different lengths
-        g = store.group(slot)
-        want[slot].append(_batch_forward(store, g, n, seed=10 + slot))
-        g.commit()
+        want[slot].append(_prefill_alone(store, slot, n, seed=10 + slot))
     group = store.join([0, 1])
     for i, (n, *keeps) in enumerate(BATCH_SCHEDULE):
         k, v = _batch_forward(store, group, n, seed=i)
@@ -194,9 +201,7 @@ def test_an_ar_step_of_a_ragged_batch_moves_only_the_kept_rows():
     on ONNX Runtime at 16 requests a full re-gather was 27% of the round); the rows still read right."""
     store = TensorKVStore(L, H, D, num_slots=2)
     for slot, n in ((0, 5), (1, 2)):
-        g = store.group(slot)
-        _batch_forward(store, g, n, seed=slot)
-        g.commit()
+        _prefill_alone(store, slot, n, seed=slot)
     group = store.join([0, 1])
     k, _ = _batch_forward(store, group, 1, seed=7)
     present = group._present[0]
@@ -209,8 +214,8 @@ def test_an_ar_step_of_a_ragged_batch_moves_only_the_kept_rows():
 def test_a_store_keeping_slack_keeps_a_tree_rounds_output_whole_until_the_slack_costs_more_than_a_copy():
     """`keep_slack` (the batched graphs): a commit that keeps fewer rows than it staged hands back the
     forward's own output, uncut (a cut is a strided view the next forward's runtime copies dense); the
-    padding past the longest row is cut, dense, once slack^2 > 2 x longest x staged; merge and drop
-    carry it; every row reads back what it kept; a group of one row keeps none."""
+    padding past the longest row is cut, dense, once slack^2 > 2 x longest x staged; a join into a
+    vacant row and a leave carry it; every row reads back what it kept; a group of one row keeps none."""
     store = TensorKVStore(L, H, D, num_slots=3, keep_slack=True)
     alone = store.group(2)  # a group of one row keeps no slack (there the copy is the cheaper one)
     _batch_forward(store, alone, 20, seed=20)
@@ -221,9 +226,7 @@ def test_a_store_keeping_slack_keeps_a_tree_rounds_output_whole_until_the_slack_
     store.reset(2)
     want: dict[int, list[torch.Tensor]] = {0: [], 1: [], 2: []}
     for slot, n in ((0, 9), (1, 4)):
-        g = store.group(slot)
-        want[slot].append(_batch_forward(store, g, n, seed=slot)[0])
-        g.commit()
+        want[slot].append(_prefill_alone(store, slot, n, seed=slot)[0])
     group = store.join([0, 1])
 
     def tree_round(n: int, keeps: list[list[int]], seed: int) -> torch.Tensor:
@@ -252,9 +255,7 @@ def test_a_store_keeping_slack_keeps_a_tree_rounds_output_whole_until_the_slack_
     # a slot joining a batch that carries slack, and a slot leaving it
     tree_round(6, [[0], [0, 1]], seed=14)
     assert group.slack == 5
-    g = store.group(2)
-    want[2].append(_batch_forward(store, g, 3, seed=2)[0])
-    g.commit()
+    want[2].append(_prefill_alone(store, 2, 3, seed=2)[0])
     width, before = group.padded, group.past()[0].data_ptr()
     store.reset(0)
     group = store.join([1, 2])  # slot 2 takes over slot 0's row in place: only its own rows are written
@@ -279,9 +280,7 @@ def test_requests_leaving_and_joining_reuse_rows_in_place_and_every_row_reads_ba
     seed = iter(range(1000))
 
     def prefill(slot: int, n: int) -> None:
-        g = store.group(slot)
-        want[slot] = [_batch_forward(store, g, n, seed=next(seed))]
-        g.commit()
+        want[slot] = [_prefill_alone(store, slot, n, seed=next(seed))]
 
     def round_(slots: list[int], n: int, keep: int) -> KVGroup:
         group = store.join(slots)
@@ -343,15 +342,11 @@ def test_a_joiner_taking_a_vacant_row_costs_a_copy_of_itself_not_of_the_batch():
     after the join), so a request replacing a finished one does not re-lay out every other request."""
     store = TensorKVStore(L, H, D, num_slots=3)
     for slot, n in ((0, 6), (1, 4)):
-        g = store.group(slot)
-        _batch_forward(store, g, n, seed=slot)
-        g.commit()
+        _prefill_alone(store, slot, n, seed=slot)
     group = store.join([0, 1])
     past = group.past()[0]
     store.reset(0)
-    g = store.group(2)
-    k, _ = _batch_forward(store, g, 5, seed=9)
-    g.commit()
+    k, _ = _prefill_alone(store, 2, 5, seed=9)
     assert store.join([1, 2]) is group and group.rows == [2, 1] and group.lengths == [5, 4]
     assert group.past()[0].data_ptr() == past.data_ptr()  # same tensor: nothing re-allocated
     assert torch.equal(group.past()[0][:, 0:1, :, :5], k)

@@ -21,7 +21,8 @@ frees a slot at once: it leaves its group, where its row turns *vacant* (`KVGrou
 next `join`, which hands the row to a request that joins (its own rows written in place) or drops it;
 so requests join and leave between rounds (continuous batching) without re-laying out the whole batch
 each time one does. A batch whose last request leaves frees its tensors at once. The per-slot calls
-(`length(slot)`, `stage(n, present, slot)`, `commit(keep, slot)`) work on a slot whose group is that slot alone (the batch-1 backends use slot 0).
+(`length(slot)`, `stage(n, present, slot)`, `commit(keep, slot)`) work on a slot whose group is that
+slot alone (the batch-1 backends use slot 0).
 
 What differs between runtimes is only who holds the memory and who appends:
 
@@ -271,8 +272,7 @@ class KVGroup:
             first, *others = others
             self._adopt(first)
             self.rows, self.lengths, self.slack = list(first.rows), list(first.lengths), first.slack
-            first.rows, first.lengths, first.slack = [], [], 0
-            first._clear()
+            first._leave_all()
             if not others:
                 return
         groups = [self, *others]
@@ -298,8 +298,7 @@ class KVGroup:
         for o in others:
             self.rows += o.rows
             self.lengths += o.lengths
-            o.rows, o.lengths, o.slack = [], [], 0
-            o._clear()
+            o._leave_all()
         self.slack = width - max(self.lengths, default=0)
 
     def vacate(self, slot: int) -> None:
@@ -315,8 +314,7 @@ class KVGroup:
         width = self.padded
         self.rows[r], self.lengths[r], self.staged = VACANT, 0, 0
         if self.live == 0:
-            self.rows, self.lengths, self.slack = [], [], 0
-            self._clear()
+            self._leave_all()
             return
         self.slack = width - max(self.lengths)
 
@@ -346,8 +344,7 @@ class KVGroup:
                         b.narrow(self.pos_axis, 0, n)
                     )
                 self.rows[r], self.lengths[r] = o.rows[0], n
-                o.rows, o.lengths, o.slack = [], [], 0
-                o._clear()
+                o._leave_all()
             self._replace(mine)
             self.slack = width - max(self.lengths)
             rest = left
@@ -361,7 +358,8 @@ class KVGroup:
 
     def _drop_rows(self, rows: Sequence[int]) -> None:
         """Remove `rows` from the tensors in one gather of the others, cut to their longest (no slack)."""
-        keep = [i for i in range(self.size) if i not in set(rows)]
+        dropped = set(rows)
+        keep = [i for i in range(self.size) if i not in dropped]
         lengths = [self.lengths[i] for i in keep]
         slots = [self.rows[i] for i in keep]
         if not keep:
@@ -376,6 +374,11 @@ class KVGroup:
                 ]
             )
         self.rows, self.lengths, self.staged, self.slack = slots, lengths, 0, 0
+
+    def _leave_all(self) -> None:
+        """No rows and no tensors: every row moved to another group (`merge`, `admit`) or left."""
+        self.rows, self.lengths, self.slack = [], [], 0
+        self._clear()
 
     def _clear(self) -> None:
         """Drop every tensor (the group has no rows)."""
