@@ -25,6 +25,8 @@ Stages (each resumable: a trained head, an evaluated head and the evidence are k
   for the toy target and, when present, the real target (models/SmolLM2-135M-Instruct) on the same prompts.
 - `refine`: math again with branch-conditioned refinement (`--refine-factor`), the one decode mode in
   which a head reads its own drafted tokens (so causal attention can condition a depth on the branch).
+- `merge`: fold the heads of runs made on other cores (`--merge-from A.json B.json`, each its own `--out`)
+  into `--out`; runs with other evaluation settings or another base config are refused.
 - `report`: statistics, ratios and the goal check into the JSON, figures (`--plots DIR`), markdown tables.
 - `all`: every stage, in this order.
 """
@@ -177,13 +179,24 @@ def eval_prompts(tokenizer, n: int, math_first: int) -> dict[str, list[list[int]
     return {d: domain_prompts(tokenizer, d, n, math_first if d == "math" else 0) for d in DOMAINS}
 
 
-def check_disjoint(prompts_text: dict[str, list[str]], counts: dict[str, int]) -> dict[str, int]:
-    """How many evaluation prompts also occur among the training prompts (by text): 0 expected."""
-    from data_gen.toy.splits import train_records
+def training_prompt_texts(base: dict) -> set[str]:
+    """The prompts the base config trains on: the raw toy corpora's (`documents` counts, seed 0) or, for a
+    regenerated dataset (the real target), the prompts its regeneration config read."""
+    data = base["data"]["init_args"]
+    if data.get("documents"):
+        from data_gen.toy.splits import train_records
 
-    return {
-        d: len(set(prompts_text[d]) & {r["prompt"] for r in train_records(d, counts[d], 0)}) for d in DOMAINS
-    }
+        counts = data["documents"]["init_args"]["counts"]
+        return {r["prompt"] for d, n in counts.items() for r in train_records(d, n, 0)}
+    from data_gen.regenerate.prompts import load_rows
+
+    regen = yaml.safe_load((REPO / data["regenerate_config"]).read_text())
+    return {r["prompt"] for r in load_rows(regen["data"]["init_args"]["source"])}
+
+
+def check_disjoint(prompts_text: dict[str, list[str]], training: set[str]) -> dict[str, int]:
+    """How many evaluation prompts also occur among the training prompts (by text): 0 expected."""
+    return {d: len(set(texts) & training) for d, texts in prompts_text.items()}
 
 
 def decode_head(
@@ -345,6 +358,35 @@ def evidence(args) -> dict:
             print(f"  {name} {d}: {out[name][d]}", flush=True)
         del target
     return out
+
+
+# ---------------------------------------------------------------------------------------------- merge
+#: per-head sections a run on another core can contribute, and the settings each must share
+MERGED = {"train": None, "eval": "eval_settings", "eval_seconds": None, "refine": "refine_settings"}
+
+
+def merge_results(results: dict, others: list[dict]) -> dict:
+    """Fold other runs' per-head sections into `results` (one head per core, then one report). A head
+    already present is kept; runs evaluated with other settings (prompts, budgets, tokens, width, threads)
+    or another base config are refused, so a merged table never mixes two protocols."""
+    for other in others:
+        if other.get("base_config", results.get("base_config")) != results.get("base_config"):
+            raise SystemExit(
+                f"error: cannot merge runs of {other['base_config']} into {results['base_config']}"
+            )
+        for section, settings in MERGED.items():
+            if section not in other:
+                continue
+            if settings and settings in other:
+                if results.setdefault(settings, other[settings]) != other[settings]:
+                    raise SystemExit(f"error: cannot merge: {settings} differ ({other[settings]})")
+            for head, value in other[section].items():
+                results.setdefault(section, {}).setdefault(head, value)
+        for key in ("prompt_overlap_with_training", "prompt_counts"):
+            if key in other:
+                results.setdefault(key, other[key])
+        results["commands"] = [*results.get("commands", []), *other.get("commands", [])]
+    return results
 
 
 # --------------------------------------------------------------------------------------------- report
@@ -572,9 +614,9 @@ def tables_md(results: dict) -> str:
     return "\n".join(lines)
 
 
-def plots(results: dict, out: Path) -> list[Path]:
+def plots(results: dict, out: Path, label: str = "toy", prefix: str = "ablation") -> list[Path]:
     """tau vs budget per head (95% CI bars) per domain, the training curves, and per-depth acceptance with
-    rank-1 faithfulness on math."""
+    rank-1 faithfulness on math; titles name the world (`label`), files are `<prefix>_*.png`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -595,14 +637,14 @@ def plots(results: dict, out: Path) -> list[Path]:
             c, ls = style[h]
             ax.errorbar(bs, tau, yerr=[lo, hi], color=c, ls=ls, marker="o", capsize=3, label=h)
         ax.set_xscale("log", base=2)
-        ax.set(xlabel="draft budget", ylabel="tau", title=f"toy {domain}")
+        ax.set(xlabel="draft budget", ylabel="tau", title=f"{label} {domain}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(
         "causal vs bidirectional heads (2 layers, same data/seed/steps), 95% prompt-bootstrap CI", fontsize=9
     )
     fig.tight_layout()
-    p1 = out / "ablation_tau_vs_budget.png"
+    p1 = out / f"{prefix}_tau_vs_budget.png"
     fig.savefig(p1, dpi=110)
     plt.close(fig)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
@@ -613,12 +655,12 @@ def plots(results: dict, out: Path) -> list[Path]:
             pts = [(r["step"], r[key]) for r in val if key in r]
             if pts:
                 ax.plot(*zip(*pts, strict=True), color=c, ls=ls, marker=".", label=h)
-    for ax, key in zip(axes, ("val/loss", "val/sim_tau", "val/tau@64 (10 math prompts)"), strict=True):
+    for ax, key in zip(axes, ("val/loss", "val/sim_tau", "val/tau@64 (held-out math)"), strict=True):
         ax.set(xlabel="optimizer step", ylabel=key)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    p2 = out / "ablation_training_curves.png"
+    p2 = out / f"{prefix}_training_curves.png"
     fig.savefig(p2, dpi=110)
     plt.close(fig)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
@@ -636,15 +678,15 @@ def plots(results: dict, out: Path) -> list[Path]:
         ]
         axes[1].errorbar(bs, f, yerr=err, color=c, ls=ls, marker="o", capsize=3, label=h)
     axes[0].set(xlabel="draft depth k", ylabel="P(round accepts >= k drafts)", ylim=(0, 1))
-    axes[0].set_title(f"toy math, budget {top}", fontsize=9)
+    axes[0].set_title(f"{label} math, budget {top}", fontsize=9)
     axes[1].set_xscale("log", base=2)
     axes[1].set(xlabel="draft budget", ylabel="rank-1 branch accepted in full", ylim=(0, 1))
-    axes[1].set_title("toy math: rank-1 branch faithfulness (95% CI)", fontsize=9)
+    axes[1].set_title(f"{label} math: rank-1 branch faithfulness (95% CI)", fontsize=9)
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    p3 = out / "ablation_depth_faithfulness.png"
+    p3 = out / f"{prefix}_depth_faithfulness.png"
     fig.savefig(p3, dpi=110)
     plt.close(fig)
     return [p1, p2, p3]
@@ -653,7 +695,7 @@ def plots(results: dict, out: Path) -> list[Path]:
 # ----------------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("stage", choices=["train", "eval", "evidence", "refine", "report", "all"])
+    p.add_argument("stage", choices=["train", "eval", "evidence", "refine", "merge", "report", "all"])
     p.add_argument("--base", type=Path, default=REPO / "configs/distill/toy_ablation.yaml")
     p.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
     p.add_argument("--steps", type=int, default=800)
@@ -676,8 +718,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--bootstrap", type=int, default=2000)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--plots", type=Path, default=None, help="write the figures here (e.g. docs/figures)")
+    p.add_argument("--label", default="toy", help="the world, in figure titles (e.g. SmolLM2)")
+    p.add_argument("--figure-prefix", default="ablation", help="figure files: <prefix>_*.png")
     p.add_argument("--tables", action="store_true", help="print the markdown tables")
     p.add_argument("--out", type=Path, default=REPO / "bench/results/ablation_toy.json")
+    p.add_argument(
+        "--merge-from", type=Path, nargs="+", default=[], help="merge: results of runs on other cores"
+    )
     args = p.parse_args(argv)
     import torch
 
@@ -729,8 +776,7 @@ def main(argv: list[str] | None = None) -> dict:
                 for d in DOMAINS
             }
             texts["math"] = texts["math"][args.math_first :]
-            counts = base["data"]["init_args"]["documents"]["init_args"]["counts"]
-            results["prompt_overlap_with_training"] = check_disjoint(texts, counts)
+            results["prompt_overlap_with_training"] = check_disjoint(texts, training_prompt_texts(base))
             results["prompt_counts"] = {d: len(v) for d, v in prompts.items()}
             print(f"  prompts {results['prompt_counts']}, overlap with training "
                   f"{results['prompt_overlap_with_training']}", flush=True)  # fmt: skip
@@ -773,6 +819,10 @@ def main(argv: list[str] | None = None) -> dict:
             )
             write_json(args.out, results, indent=None)
 
+    if "merge" in stages:
+        merge_results(results, [json.loads(f.read_text()) for f in args.merge_from])
+        write_json(args.out, results, indent=None)
+
     if "evidence" in stages and "evidence" not in results:
         results["evidence"] = evidence(args)
         write_json(args.out, results, indent=None)
@@ -781,7 +831,7 @@ def main(argv: list[str] | None = None) -> dict:
         report(results, args.bootstrap)
         write_json(args.out, results, indent=None)
         if args.plots:
-            print("wrote", *plots(results, args.plots))
+            print("wrote", *plots(results, args.plots, args.label, args.figure_prefix))
         if args.tables:
             print(tables_md(results))
     return results

@@ -1,0 +1,80 @@
+"""bench/ablation.py's leak check: the evaluation prompts against what each base config trains on (the raw
+toy corpora, or the prompts a regenerated dataset was made from), so a real-target run checks its own
+training prompts rather than the toy's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bench.ablation import check_disjoint, merge_results, training_prompt_texts
+from data_gen.toy.splits import heldout_prompts, train_records
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "distill"
+
+
+def test_toy_base_trains_on_its_document_counts():
+    base = yaml.safe_load((CONFIGS / "toy_ablation.yaml").read_text())
+    counts = base["data"]["init_args"]["documents"]["init_args"]["counts"]
+    texts = training_prompt_texts(base)
+    # every domain's first and last training record is in the set (the counts are read, not a default)
+    for domain, n in counts.items():
+        records = train_records(domain, n, 0)
+        assert {records[0]["prompt"], records[-1]["prompt"]} <= texts
+    assert len(texts) <= sum(counts.values())
+
+
+def test_real_target_base_reads_the_regeneration_prompts():
+    base = yaml.safe_load((CONFIGS / "smollm2_ablation.yaml").read_text())
+    regen = yaml.safe_load((CONFIGS.parent / "regenerate" / "smollm2.yaml").read_text())
+    source = regen["data"]["init_args"]["source"]  # toy:math+code+prose:train:1600+400+200
+    texts = training_prompt_texts(base)
+    counts = [int(c) for c in source.split(":")[3].split("+")]
+    assert len(texts) <= sum(counts)
+    assert train_records("code", counts[1], 0)[-1]["prompt"] in texts
+    held = {d: [r["prompt"] for r in heldout_prompts(d, 40)] for d in ("math", "code", "prose")}
+    assert check_disjoint(held, texts) == {"math": 0, "code": 0, "prose": 0}
+
+
+def test_check_disjoint_counts_a_leaked_prompt():
+    held = {"math": ["a", "b", "c"], "code": ["d"]}
+    assert check_disjoint(held, {"b", "c", "x"}) == {"math": 2, "code": 0}
+
+
+def _run(head: str, settings: dict, base: str = "configs/distill/smollm2_ablation.yaml") -> dict:
+    return {
+        "base_config": base,
+        "commands": [f"python bench/ablation.py eval --heads {head}"],
+        "train": {head: {"steps": 10}},
+        "eval_settings": settings,
+        "eval": {head: {"math": {"16": [{"tau": 2.0}]}}},
+        "prompt_counts": {"math": 1},
+    }
+
+
+def test_merge_folds_heads_run_on_other_cores():
+    settings = {"width": 4, "n_prompts": 40}
+    merged = merge_results({"base_config": "configs/distill/smollm2_ablation.yaml", "commands": []},
+                           [_run("causal_g0", settings), _run("bidir_g0", settings)])  # fmt: skip
+    assert set(merged["eval"]) == {"causal_g0", "bidir_g0"} and set(merged["train"]) == set(merged["eval"])
+    assert merged["eval_settings"] == settings and merged["prompt_counts"] == {"math": 1}
+    assert len(merged["commands"]) == 2
+    # a head already in the target is kept, not overwritten by a later run of the same head
+    again = _run("causal_g0", settings)
+    again["eval"]["causal_g0"]["math"]["16"][0]["tau"] = 9.0
+    assert merge_results(merged, [again])["eval"]["causal_g0"]["math"]["16"][0]["tau"] == 2.0
+
+
+@pytest.mark.parametrize("what", ["settings", "base"])
+def test_merge_refuses_a_run_of_another_protocol(what):
+    results = merge_results({"base_config": "configs/distill/smollm2_ablation.yaml"},
+                            [_run("causal_g0", {"width": 4})])  # fmt: skip
+    other = (
+        _run("bidir_g0", {"width": 8})
+        if what == "settings"
+        else _run("bidir_g0", {"width": 4}, base="configs/distill/toy_ablation.yaml")
+    )
+    with pytest.raises(SystemExit, match="cannot merge"):
+        merge_results(results, [other])
