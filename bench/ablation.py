@@ -365,6 +365,13 @@ def evidence(args) -> dict:
 MERGED = {"train": None, "eval": "eval_settings", "eval_seconds": None, "refine": "refine_settings"}
 
 
+def require_same(results: dict, key: str, value, what: str) -> None:
+    """Record `value` under `key`, or refuse (`what`) when `results` already holds other `key` settings:
+    one results file never mixes two protocols."""
+    if results.setdefault(key, value) != value:
+        raise SystemExit(f"error: {what}: {key} {results[key]} differ from {value}")
+
+
 def merge_results(results: dict, others: list[dict]) -> dict:
     """Fold other runs' per-head sections into `results` (one head per core, then one report). A head
     already present is kept; runs evaluated with other settings (prompts, budgets, tokens, width, threads)
@@ -378,8 +385,7 @@ def merge_results(results: dict, others: list[dict]) -> dict:
             if section not in other:
                 continue
             if settings and settings in other:
-                if results.setdefault(settings, other[settings]) != other[settings]:
-                    raise SystemExit(f"error: cannot merge: {settings} differ ({other[settings]})")
+                require_same(results, settings, other[settings], "cannot merge")
             for head, value in other[section].items():
                 results.setdefault(section, {}).setdefault(head, value)
         for key in ("prompt_overlap_with_training", "prompt_counts"):
@@ -756,11 +762,7 @@ def main(argv: list[str] | None = None) -> dict:
                 for d in DOMAINS}  # fmt: skip
         settings = {"per_domain": plan, "width": args.width, "n_prompts": args.n_prompts,
                     "math_first": args.math_first, "threads": args.threads}  # fmt: skip
-        if results.get("eval_settings", settings) != settings:
-            raise SystemExit(
-                f"error: {args.out} was evaluated with other settings {results['eval_settings']}"
-            )
-        results["eval_settings"] = settings
+        require_same(results, "eval_settings", settings, f"{args.out} was evaluated with other settings")
         results.setdefault("eval", {})
         tokenizer, target = load_target(Path(args.target))
         eos = tokenizer.eos_token_id
