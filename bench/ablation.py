@@ -802,12 +802,14 @@ def main(argv: list[str] | None = None) -> dict:
         from jetflow_pl.checkpoints import load_draft_head
         from jetflow_pl.runtime.loader import load_backend
 
+        plan = {"math": {"budgets": args.refine_budgets, "max_new_tokens": args.max_new_tokens}}
+        settings = {**plan, "refine_factor": args.refine_factor, "width": args.width,
+                    "n_prompts": args.n_prompts, "math_first": args.math_first}  # fmt: skip
+        require_same(results, "refine_settings", settings, f"{args.out} was refined with other settings")
         tokenizer, target = load_target(Path(args.target))
         eos = tokenizer.eos_token_id
         prompts = {"math": domain_prompts(tokenizer, "math", args.n_prompts, args.math_first)}
-        plan = {"math": {"budgets": args.refine_budgets, "max_new_tokens": args.max_new_tokens}}
         ar_tokens = ar_reference(load_backend("torch", target=target), prompts, plan, eos)
-        results["refine_settings"] = {**plan, "refine_factor": args.refine_factor, "width": args.width}
         results.setdefault("refine", {})
         for h in args.heads:
             if h in results["refine"]:

@@ -4,12 +4,13 @@ training prompts rather than the toy's."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import yaml
 
-from bench.ablation import check_disjoint, merge_results, training_prompt_texts
+from bench.ablation import check_disjoint, main, merge_results, training_prompt_texts
 from data_gen.toy.splits import heldout_prompts, train_records
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "distill"
@@ -78,3 +79,16 @@ def test_merge_refuses_a_run_of_another_protocol(what):
     )
     with pytest.raises(SystemExit, match="cannot merge"):
         merge_results(results, [other])
+
+
+def test_refine_refuses_a_results_file_refined_with_other_settings(tmp_path):
+    # the refine stage adds heads to a results file; heads refined at another refine factor (or budgets,
+    # prompts) would land in one table, so the stage refuses before it loads anything
+    out = tmp_path / "results.json"
+    settings = {"math": {"budgets": [16], "max_new_tokens": 64}, "refine_factor": 2, "width": 4,
+                "n_prompts": 40, "math_first": 20}  # fmt: skip
+    out.write_text(json.dumps({"refine_settings": settings, "refine": {"causal_g0": {}}}))
+    argv = ["refine", "--out", str(out), "--refine-budgets", "16", "--heads", "bidir_g0"]
+    with pytest.raises(SystemExit, match="refined with other settings"):
+        main([*argv, "--refine-factor", "3"])
+    assert json.loads(out.read_text())["refine_settings"] == settings  # the file is left as it was
