@@ -595,6 +595,26 @@ def tables_md(results: dict) -> str:
                     f"| ratio {pair} | {b} | {x['ratio']:.3f} [{x['ci95'][0]:.2f}-{x['ci95'][1]:.2f}] | | |"
                 )
         lines.append("")
+    pr = results.get("path_ratios")
+    if pr:
+        trained, base = PATH_PAIR
+        labels = {
+            "pass_vs_base_plain": f"{trained} + refine / {base} plain",
+            "refine_trained_vs_base": f"{trained} + refine / {base} + refine",
+            "plain_trained_vs_base": f"{trained} / {base}, both plain",
+            "refine_vs_plain_trained": f"{trained}: + refine / plain",
+        }
+        budgets = list(pr["pass_vs_base_plain"])
+        lines += ["Training for the refine pass, math tau ratios paired by prompt [95% CI]:", ""]
+        lines += [
+            "| ratio | " + " | ".join(f"@{b}" for b in budgets) + " |",
+            "|---|" + "---:|" * len(budgets),
+        ]
+        for key, label in labels.items():
+            cells = [f"{pr[key][b]['ratio']:.3f} [{pr[key][b]['ci95'][0]:.2f}-{pr[key][b]['ci95'][1]:.2f}]"
+                     for b in budgets]  # fmt: skip
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        lines.append("")
     ev = results.get("evidence")
     if ev:
         keys = [

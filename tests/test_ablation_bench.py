@@ -92,3 +92,25 @@ def test_refine_refuses_a_results_file_refined_with_other_settings(tmp_path):
     with pytest.raises(SystemExit, match="refined with other settings"):
         main([*argv, "--refine-factor", "3"])
     assert json.loads(out.read_text())["refine_settings"] == settings  # the file is left as it was
+
+
+def test_tables_print_the_path_ratios_of_the_right_heads():
+    # the path table is read by hand into docs/BENCHMARKS.md: each row must be the pair its label names
+    # (a swapped pair or budget would still print plausible ratios near 1)
+    from bench.ablation import PATH_PAIR, report, tables_md
+
+    results = json.loads(
+        (Path(__file__).resolve().parents[1] / "bench/results/ablation_toy.json").read_text()
+    )
+    report(results, n_boot=50)
+    trained, base = PATH_PAIR
+    refined = [r["tau"] for r in results["refine"][trained]["math"]["64"]]
+    plain = [r["tau"] for r in results["eval"][base]["math"]["64"]]
+    assert results["path_ratios"]["pass_vs_base_plain"]["64"]["ratio"] == sum(refined) / sum(plain)
+    row = next(
+        line
+        for line in tables_md(results).splitlines()
+        if line.startswith(f"| {trained} + refine / {base} plain")
+    )
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[2].startswith(f"{sum(refined) / sum(plain):.3f} [")  # columns @16, @64, @256
