@@ -120,15 +120,18 @@ def run_config(base: dict, name: str, root: Path, steps: int, tau_every: int) ->
 
 
 def train(name: str, cfg: dict, root: Path, timeout_s: float) -> dict:
-    """Fit one head (skipped when its `head/last` exists from the same config); wall seconds and status."""
+    """Fit one head (skipped when a fit of the same config completed: its `train.json` is written only
+    then, so a killed fit's `head/last` is never taken for the finished head); wall seconds and status."""
     run = root / name
     head = run / "head" / "last" / "config.json"
     cfg_path = run / "config.yaml"
+    done = run / "train.json"
     text = yaml.safe_dump(cfg, sort_keys=False)
-    if head.is_file() and cfg_path.is_file() and cfg_path.read_text() == text:
+    if done.is_file() and head.is_file() and cfg_path.is_file() and cfg_path.read_text() == text:
         print(f"{name}: trained, skipped", flush=True)
-        return json.loads((run / "train.json").read_text()) if (run / "train.json").is_file() else {}
+        return json.loads(done.read_text())
     run.mkdir(parents=True, exist_ok=True)
+    done.unlink(missing_ok=True)  # an earlier fit's record must not outlive this one's start
     cfg_path.write_text(text)
     print(f"{name}: training {cfg['trainer']['max_steps']} steps ({HEADS[name][0]})", flush=True)
     t0 = time.perf_counter()
@@ -151,9 +154,14 @@ def train(name: str, cfg: dict, root: Path, timeout_s: float) -> dict:
             env=env,
         )
     info = {"fit_seconds": time.perf_counter() - t0, "returncode": proc.returncode}
+    if proc.returncode == 124:  # timeout(1)'s status: the fit was killed, its `last` export is stale
+        raise SystemExit(
+            f"error: training {name} ran past --fit-timeout {timeout_s:.0f} s and was killed "
+            f"(its head/last, if any, is not the {cfg['trainer']['max_steps']}-step head); see {run / 'fit.log'}"
+        )
     if proc.returncode != 0 or not head.is_file():
         raise SystemExit(f"error: training {name} failed (rc {proc.returncode}); see {run / 'fit.log'}")
-    (run / "train.json").write_text(json.dumps(info))
+    done.write_text(json.dumps(info))
     return info
 
 
@@ -726,7 +734,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
     p.add_argument("--steps", type=int, default=800)
     p.add_argument("--tau-every", type=int, default=200, help="val/tau curve every N steps")
-    p.add_argument("--fit-timeout", type=float, default=3600, help="seconds per training run")
+    p.add_argument(
+        "--fit-timeout",
+        type=float,
+        default=6 * 3600,
+        help="seconds per training run: a guard against a hung fit, not a budget (a SmolLM2 path head "
+        "takes ~75 min on one loaded core; a 1 h limit killed one at step ~1950 of 2400)",
+    )
     p.add_argument("--root", type=Path, default=REPO / "runs/ablation")
     p.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128, 256], help="math budgets")
     p.add_argument(

@@ -114,3 +114,30 @@ def test_tables_print_the_path_ratios_of_the_right_heads():
     )
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[2].startswith(f"{sum(refined) / sum(plain):.3f} [")  # columns @16, @64, @256
+
+
+def test_a_killed_fit_is_reported_and_never_skipped_as_trained(tmp_path, monkeypatch):
+    # a fit killed by --fit-timeout can leave a head/last behind (HFHeadExport every_n_steps); the rerun
+    # must train again rather than evaluate that partial head as the finished one
+    import subprocess
+
+    import bench.ablation as ab
+
+    cfg = {"trainer": {"max_steps": 2400}}
+    calls = []
+
+    def fake_fit(cmd, **kw):
+        calls.append(cmd)
+        last = tmp_path / "h" / "head" / "last"
+        last.mkdir(parents=True, exist_ok=True)
+        (last / "config.json").write_text("{}")
+        return subprocess.CompletedProcess(cmd, 124 if len(calls) == 1 else 0)
+
+    monkeypatch.setattr(ab.subprocess, "run", fake_fit)
+    monkeypatch.setitem(ab.HEADS, "h", ("test head", {}))
+    with pytest.raises(SystemExit, match="ran past --fit-timeout 60 s"):
+        ab.train("h", cfg, tmp_path, 60)
+    assert not (tmp_path / "h" / "train.json").exists()
+    assert ab.train("h", cfg, tmp_path, 60)["returncode"] == 0  # trained again, not skipped
+    assert len(calls) == 2
+    assert ab.train("h", cfg, tmp_path, 60)["returncode"] == 0 and len(calls) == 2  # now skipped
