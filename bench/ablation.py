@@ -14,7 +14,8 @@ target accepted in full (`bench.decode.RoundRecorder`). Intervals are percentile
 Stages (each resumable: a trained head, an evaluated head and the evidence are kept and skipped):
 
 - `train`: `python -m jetflow_pl fit` per head (config under `<root>/<head>/config.yaml`, log `fit.log`),
-  with a wall-clock `--fit-timeout`; the training curves (val loss / simulated tau every
+  under `--fit-timeout` (a hang guard; a fit that ran past it is reported, never skipped as trained on a
+  rerun: only a completed fit writes `<root>/<head>/train.json`); the training curves (val loss / simulated tau every
   `val_check_interval`, real `val/tau@16/64/256` on 10 held-out math prompts every `--tau-every` steps)
   come from the CSV log.
 - `eval`: the decodes above; per-prompt records go into the results JSON (so every statistic can be
