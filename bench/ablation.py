@@ -96,6 +96,12 @@ PAIRS: dict[str, tuple[str, str, float]] = {
     "gamma0": ("causal_g0", "bidir_g0", 1.3),
     "gamma7": ("causal_g7", "bidir_g7", 1.05),
 }
+#: gamma 7 against gamma 0 at the same attention: (gamma-7 head, gamma-0 head); how much the position decay
+#: itself moves tau, paired by prompt (the causal-vs-bidirectional pairs above compare attentions instead)
+GAMMA_PAIRS: dict[str, tuple[str, str]] = {
+    "causal": ("causal_g7", "causal_g0"),
+    "bidirectional": ("bidir_g7", "bidir_g0"),
+}
 DOMAINS = ("math", "code", "prose")
 BLOCK_DEPTHS = 15  # block_size 16: at most 15 drafts per round
 
@@ -501,6 +507,22 @@ def report(results: dict, n_boot: int) -> dict:
             if isinstance(r, dict) and "256" in r
         }
     results["stats"], results["ratios"] = stats, ratios
+    results["gamma_ratios"] = {
+        attention: {
+            "gamma7": g7,
+            "gamma0": g0,
+            **{
+                domain: {
+                    b: ratio_stats(_rows(ev[g7], domain, b), _rows(ev[g0], domain, b), n_boot)
+                    for b in _budgets(ev[g7], domain)
+                    if b in _budgets(ev[g0], domain)
+                }
+                for domain in [*DOMAINS, "all"]
+            },
+        }  # fmt: skip
+        for attention, (g7, g0) in GAMMA_PAIRS.items()
+        if g7 in ev and g0 in ev
+    }
     rf = results.get("refine", {})
     if rf:
         results["refine_stats"] = {
@@ -532,6 +554,11 @@ def _ci(x: float, ci) -> str:
     return f"{x:.2f} [{ci[0]:.2f}-{ci[1]:.2f}]"
 
 
+def _ratio(r: dict) -> str:
+    """A ratio_stats cell: three decimals for the ratio (the goals sit at 1.05 and 1.3), two for its CI."""
+    return f"{r['ratio']:.3f} [{r['ci95'][0]:.2f}-{r['ci95'][1]:.2f}]"
+
+
 def tables_md(results: dict) -> str:
     """The markdown tables of docs/BENCHMARKS.md's ablation section, from the JSON alone."""
     st, ra = results["stats"], results["ratios"]
@@ -545,12 +572,16 @@ def tables_md(results: dict) -> str:
             cells = [_ci(st[h][domain][b]["tau"], st[h][domain][b]["tau_ci95"]) for b in budgets]
             lines.append(f"| {h} | " + " | ".join(cells) + " |")
         for pair, r in ra.items():
-            cells = [
-                f"{r[domain][b]['ratio']:.3f} [{r[domain][b]['ci95'][0]:.2f}-{r[domain][b]['ci95'][1]:.2f}]"
-                for b in budgets
-            ]
+            cells = [_ratio(r[domain][b]) for b in budgets]
             lines.append(
                 f"| tau ratio {pair} ({r['causal']} / {r['bidirectional']}) | " + " | ".join(cells) + " |"
+            )
+        for attention, r in results.get("gamma_ratios", {}).items():
+            cells = [_ratio(r[domain][b]) if b in r[domain] else "" for b in budgets]
+            lines.append(
+                f"| tau ratio gamma 7 / gamma 0, {attention} ({r['gamma7']} / {r['gamma0']}) | "
+                + " | ".join(cells)
+                + " |"
             )
         lines.append("")
     for key, label in (("rank1_faithful", "Rank-1 branch"), ("greedy_faithful", "Greedy branch")):
@@ -593,16 +624,16 @@ def tables_md(results: dict) -> str:
         ]
         for h, cells in rs.items():
             for b, c in cells.items():
-                plain = st[h]["math"][b]
+                # a head refined but never evaluated plain (merged from a refine-only run) has no plain cell
+                plain = st.get(h, {}).get("math", {}).get(b)
+                plain_cell = _ci(plain["tau"], plain["tau_ci95"]) if plain else ""
                 lines.append(
-                    f"| {h} | {b} | {_ci(c['tau'], c['tau_ci95'])} | {_ci(plain['tau'], plain['tau_ci95'])} | "
+                    f"| {h} | {b} | {_ci(c['tau'], c['tau_ci95'])} | {plain_cell} | "
                     f"{_ci(c['rank1_faithful'], c['rank1_faithful_ci95'])} |"
                 )
         for pair, cells in results["refine_ratios"].items():
             for b, x in cells.items():
-                lines.append(
-                    f"| ratio {pair} | {b} | {x['ratio']:.3f} [{x['ci95'][0]:.2f}-{x['ci95'][1]:.2f}] | | |"
-                )
+                lines.append(f"| ratio {pair} | {b} | {_ratio(x)} | | |")
         lines.append("")
     pr = results.get("path_ratios")
     if pr:
@@ -620,8 +651,7 @@ def tables_md(results: dict) -> str:
             "|---|" + "---:|" * len(budgets),
         ]
         for key, label in labels.items():
-            cells = [f"{pr[key][b]['ratio']:.3f} [{pr[key][b]['ci95'][0]:.2f}-{pr[key][b]['ci95'][1]:.2f}]"
-                     for b in budgets]  # fmt: skip
+            cells = [_ratio(pr[key][b]) for b in budgets]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
         lines.append("")
     ev = results.get("evidence")

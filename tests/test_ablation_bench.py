@@ -116,6 +116,43 @@ def test_tables_print_the_path_ratios_of_the_right_heads():
     assert cells[2].startswith(f"{sum(refined) / sum(plain):.3f} [")  # columns @16, @64, @256
 
 
+def test_tables_print_the_gamma_ratios_of_the_right_heads():
+    # gamma 7 / gamma 0 at the same attention: docs/BENCHMARKS.md quotes these rows, so each must be the
+    # pair and the domain its label names (causal and bidirectional move alike, so a swapped attention or
+    # domain would still print plausible ratios)
+    from bench.ablation import GAMMA_PAIRS, report, tables_md
+
+    results = json.loads(
+        (Path(__file__).resolve().parents[1] / "bench/results/ablation_toy.json").read_text()
+    )
+    report(results, n_boot=50)
+    tables = tables_md(results).split("\n\n")
+    for attention, (g7, g0) in GAMMA_PAIRS.items():
+        for domain in ("math", "code"):
+            ours = [r["tau"] for r in results["eval"][g7][domain]["16"]]
+            theirs = [r["tau"] for r in results["eval"][g0][domain]["16"]]
+            expect = sum(ours) / sum(theirs)
+            assert results["gamma_ratios"][attention][domain]["16"]["ratio"] == expect
+            # each domain's header paragraph is followed by its table
+            table = tables[next(i for i, t in enumerate(tables) if t.startswith(f"**{domain}**")) + 1]
+            row = next(
+                line
+                for line in table.splitlines()
+                if line.startswith(f"| tau ratio gamma 7 / gamma 0, {attention} ({g7} / {g0}) |")
+            )
+            cells = [c.strip() for c in row.strip("|").split("|")]
+            assert cells[1].startswith(f"{expect:.3f} [")  # the first budget column is @16
+    # without a gamma-0 head there is no pairing to print, and no row claiming one
+    del results["eval"]["causal_g0"]
+    report(results, n_boot=50)
+    assert set(results["gamma_ratios"]) == {"bidirectional"}
+    tables = tables_md(results)
+    assert "gamma 7 / gamma 0, causal" not in tables
+    # causal_g0 is still in the refine results: its refine rows print with an empty plain cell, not a crash
+    refine_rows = [line for line in tables.splitlines() if line.startswith("| causal_g0 | 16 |")]
+    assert len(refine_rows) == 1 and refine_rows[0].split("|")[4].strip() == ""
+
+
 def test_a_killed_fit_is_reported_and_never_skipped_as_trained(tmp_path, monkeypatch):
     # a fit killed by --fit-timeout can leave a head/last behind (HFHeadExport every_n_steps); the rerun
     # must train again rather than evaluate that partial head as the finished one
