@@ -88,9 +88,20 @@ HEADS: dict[str, tuple[str, dict]] = {
             "model.init_args.path_fraction": 0.5,
         },
     ),
+    "causal_g7_path": (
+        "causal_g7 plus half the blocks path-conditioned (both changes that raised tau, together)",
+        {
+            "model.init_args.causal": True,
+            "model.init_args.decay_gamma": 7.0,
+            "model.init_args.path_fraction": 0.5,
+        },
+    ),
 }
-#: training for the refine pass: (head trained for it, the same head without it)
-PATH_PAIR = ("causal_g0_path", "causal_g0")
+#: training for the refine pass, per offset weighting: (head trained for it, the same head without it)
+PATH_PAIRS: dict[str, tuple[str, str]] = {
+    "gamma0": ("causal_g0_path", "causal_g0"),
+    "gamma7": ("causal_g7_path", "causal_g7"),
+}
 #: comparison -> (causal head, bidirectional head, goal for tau(causal)/tau(bidirectional) at budget 256)
 PAIRS: dict[str, tuple[str, str, float]] = {
     "gamma0": ("causal_g0", "bidir_g0", 1.3),
@@ -387,6 +398,13 @@ def require_same(results: dict, key: str, value, what: str) -> None:
         raise SystemExit(f"error: {what}: {key} {results[key]} differ from {value}")
 
 
+def describe_heads(results: dict, running: list[str]) -> dict:
+    """What each head of this results file is (the heads it holds and the ones this run trains or
+    evaluates): the file names its heads, not every head this script knows."""
+    held = {h for section in MERGED for h in results.get(section, {})}
+    return {h: {"what": HEADS[h][0], "changes": HEADS[h][1]} for h in HEADS if h in held or h in running}
+
+
 def merge_results(results: dict, others: list[dict]) -> dict:
     """Fold other runs' per-head sections into `results` (one head per core, then one report). A head
     already present is kept; runs evaluated with other settings (prompts, budgets, tokens, width, threads)
@@ -533,21 +551,29 @@ def report(results: dict, n_boot: int) -> dict:
             for pair, (c, d, _) in PAIRS.items()
             if c in rf and d in rf
         }
-        trained, base = PATH_PAIR
-        if trained in rf and base in rf and trained in ev and base in ev:
-            # math, the same prompts in both stages; paired by prompt. "pass": the trained head with the
-            # refine pass over the base head without it (what a user gains by switching both on)
-            plain = {h: ev[h]["math"] for h in (trained, base)}
-            results["path_ratios"] = {
-                name: {b: ratio_stats(a[b], c[b], n_boot) for b in rf[trained]["math"] if b in a and b in c}
-                for name, (a, c) in {
-                    "pass_vs_base_plain": (rf[trained]["math"], plain[base]),
-                    "refine_trained_vs_base": (rf[trained]["math"], rf[base]["math"]),
-                    "plain_trained_vs_base": (plain[trained], plain[base]),
-                    "refine_vs_plain_trained": (rf[trained]["math"], plain[trained]),
-                }.items()
-            }
+        # math, the same prompts in both stages; paired by prompt. "pass": the trained head with the
+        # refine pass over the base head without it (what a user gains by switching both on)
+        results["path_ratios"] = {
+            pair: _path_ratios(rf[trained]["math"], rf.get(base, {}).get("math", {}), ev[trained]["math"],
+                               ev[base]["math"], n_boot)
+            for pair, (trained, base) in PATH_PAIRS.items()
+            if trained in rf and trained in ev and base in ev
+        }  # fmt: skip
     return results
+
+
+def _path_ratios(refined: dict, base_refined: dict, plain: dict, base_plain: dict, n_boot: int) -> dict:
+    """The four paired tau ratios of a path pair, per budget the trained head was refined at (the base
+    head's own refine run is optional: without it that ratio has no cells)."""
+    return {
+        name: {b: ratio_stats(a[b], c[b], n_boot) for b in refined if b in a and b in c}
+        for name, (a, c) in {
+            "pass_vs_base_plain": (refined, base_plain),
+            "refine_trained_vs_base": (refined, base_refined),
+            "plain_trained_vs_base": (plain, base_plain),
+            "refine_vs_plain_trained": (refined, plain),
+        }.items()
+    }
 
 
 def _ci(x: float, ci) -> str:
@@ -635,9 +661,8 @@ def tables_md(results: dict) -> str:
             for b, x in cells.items():
                 lines.append(f"| ratio {pair} | {b} | {_ratio(x)} | | |")
         lines.append("")
-    pr = results.get("path_ratios")
-    if pr:
-        trained, base = PATH_PAIR
+    for pair, pr in results.get("path_ratios", {}).items():
+        trained, base = PATH_PAIRS[pair]
         labels = {
             "pass_vs_base_plain": f"{trained} + refine / {base} plain",
             "refine_trained_vs_base": f"{trained} + refine / {base} + refine",
@@ -645,13 +670,13 @@ def tables_md(results: dict) -> str:
             "refine_vs_plain_trained": f"{trained}: + refine / plain",
         }
         budgets = list(pr["pass_vs_base_plain"])
-        lines += ["Training for the refine pass, math tau ratios paired by prompt [95% CI]:", ""]
+        lines += [f"Training for the refine pass ({pair}), math tau ratios paired by prompt [95% CI]:", ""]
         lines += [
             "| ratio | " + " | ".join(f"@{b}" for b in budgets) + " |",
             "|---|" + "---:|" * len(budgets),
         ]
         for key, label in labels.items():
-            cells = [_ratio(pr[key][b]) for b in budgets]
+            cells = [_ratio(pr[key][b]) if b in pr[key] else "" for b in budgets]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
         lines.append("")
     ev = results.get("evidence")
@@ -690,7 +715,7 @@ def plots(results: dict, out: Path, label: str = "toy", prefix: str = "ablation"
     out.mkdir(parents=True, exist_ok=True)
     style = {"causal_g0": ("tab:blue", "-"), "bidir_g0": ("tab:orange", "-"),
              "causal_g7": ("tab:blue", "--"), "bidir_g7": ("tab:orange", "--"),
-             "causal_g0_path": ("tab:green", "-")}  # fmt: skip
+             "causal_g0_path": ("tab:green", "-"), "causal_g7_path": ("tab:green", "--")}  # fmt: skip
     st = results["stats"]
     fig, axes = plt.subplots(1, 4, figsize=(16, 4))
     for ax, domain in zip(axes, [*DOMAINS, "all"], strict=True):
@@ -807,8 +832,10 @@ def main(argv: list[str] | None = None) -> dict:
         " ".join(["python", "bench/ablation.py", *(argv if argv is not None else sys.argv[1:])])
     )
     results["base_config"] = str(args.base.relative_to(REPO) if args.base.is_absolute() else args.base)
-    results["heads"] = {h: {"what": HEADS[h][0], "changes": HEADS[h][1]} for h in HEADS}
     stages = ["train", "eval", "evidence", "refine", "report"] if args.stage == "all" else [args.stage]
+    results["heads"] = describe_heads(
+        results, args.heads if {"train", "eval", "refine"} & set(stages) else []
+    )
 
     if "train" in stages:
         results.setdefault("train", {})
@@ -890,6 +917,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     if "merge" in stages:
         merge_results(results, [json.loads(f.read_text()) for f in args.merge_from])
+        results["heads"] = describe_heads(results, [])
         write_json(args.out, results, indent=None)
 
     if "evidence" in stages and "evidence" not in results:

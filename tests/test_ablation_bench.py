@@ -97,16 +97,19 @@ def test_refine_refuses_a_results_file_refined_with_other_settings(tmp_path):
 def test_tables_print_the_path_ratios_of_the_right_heads():
     # the path table is read by hand into docs/BENCHMARKS.md: each row must be the pair its label names
     # (a swapped pair or budget would still print plausible ratios near 1)
-    from bench.ablation import PATH_PAIR, report, tables_md
+    from bench.ablation import PATH_PAIRS, report, tables_md
 
     results = json.loads(
         (Path(__file__).resolve().parents[1] / "bench/results/ablation_toy.json").read_text()
     )
     report(results, n_boot=50)
-    trained, base = PATH_PAIR
+    # the toy has the gamma 0 path pair only: no table may claim a gamma 7 one
+    assert set(results["path_ratios"]) == {"gamma0"}
+    assert "(gamma7), math tau ratios" not in tables_md(results)
+    trained, base = PATH_PAIRS["gamma0"]
     refined = [r["tau"] for r in results["refine"][trained]["math"]["64"]]
     plain = [r["tau"] for r in results["eval"][base]["math"]["64"]]
-    assert results["path_ratios"]["pass_vs_base_plain"]["64"]["ratio"] == sum(refined) / sum(plain)
+    assert results["path_ratios"]["gamma0"]["pass_vs_base_plain"]["64"]["ratio"] == sum(refined) / sum(plain)
     row = next(
         line
         for line in tables_md(results).splitlines()
@@ -114,6 +117,20 @@ def test_tables_print_the_path_ratios_of_the_right_heads():
     )
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[2].startswith(f"{sum(refined) / sum(plain):.3f} [")  # columns @16, @64, @256
+    # a gamma 7 path head (here the gamma 0 one's rows under its name) is compared with causal_g7, not
+    # with the gamma 0 base: the gamma 7 ratios must move when only causal_g7 changes
+    g7_trained, g7_base = PATH_PAIRS["gamma7"]
+    results["eval"][g7_trained] = results["eval"][trained]
+    results["refine"][g7_trained] = results["refine"][trained]
+    report(results, n_boot=50)
+    g7_plain = [r["tau"] for r in results["eval"][g7_base]["math"]["64"]]
+    ratio = results["path_ratios"]["gamma7"]["pass_vs_base_plain"]["64"]["ratio"]
+    assert ratio == sum(refined) / sum(g7_plain) != sum(refined) / sum(plain)
+    tables = tables_md(results)
+    assert f"| {g7_trained} + refine / {g7_base} plain | " in tables
+    # the toy never refined causal_g7: that row is printed empty rather than borrowed from another head
+    assert results["path_ratios"]["gamma7"]["refine_trained_vs_base"] == {}
+    assert f"| {g7_trained} + refine / {g7_base} + refine |  |  |  |" in tables
 
 
 def test_tables_print_the_gamma_ratios_of_the_right_heads():
@@ -178,3 +195,14 @@ def test_a_killed_fit_is_reported_and_never_skipped_as_trained(tmp_path, monkeyp
     assert ab.train("h", cfg, tmp_path, 60)["returncode"] == 0  # trained again, not skipped
     assert len(calls) == 2
     assert ab.train("h", cfg, tmp_path, 60)["returncode"] == 0 and len(calls) == 2  # now skipped
+
+
+def test_a_results_file_describes_its_own_heads_only():
+    # `heads` tells a reader what each head in the file is; a head this script knows but the file never
+    # trained, evaluated or refined must not be listed as if it were part of the run
+    from bench.ablation import describe_heads
+
+    results = {"eval": {"causal_g0": {}}, "refine": {"causal_g7": {}}, "eval_seconds": {}}
+    assert set(describe_heads(results, [])) == {"causal_g0", "causal_g7"}
+    assert set(describe_heads(results, ["causal_g7_path"])) == {"causal_g0", "causal_g7", "causal_g7_path"}
+    assert describe_heads(results, [])["causal_g7"]["changes"]["model.init_args.decay_gamma"] == 7.0
