@@ -107,6 +107,8 @@ PAIRS: dict[str, tuple[str, str, float]] = {
     "gamma0": ("causal_g0", "bidir_g0", 1.3),
     "gamma7": ("causal_g7", "bidir_g7", 1.05),
 }
+#: the heads of the causal-vs-bidirectional pairs, what every stage runs by default
+PAIR_HEADS = [h for causal, bidirectional, _ in PAIRS.values() for h in (causal, bidirectional)]
 #: gamma 7 against gamma 0 at the same attention: (gamma-7 head, gamma-0 head); how much the position decay
 #: itself moves tau, paired by prompt (the causal-vs-bidirectional pairs above compare attentions instead)
 GAMMA_PAIRS: dict[str, tuple[str, str]] = {
@@ -787,7 +789,14 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("stage", choices=["train", "eval", "evidence", "refine", "merge", "report", "all"])
     p.add_argument("--base", type=Path, default=REPO / "configs/distill/toy_ablation.yaml")
-    p.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
+    p.add_argument(
+        "--heads",
+        nargs="+",
+        default=PAIR_HEADS,
+        choices=list(HEADS),
+        help="default: the causal/bidirectional pairs; the path heads are opt-in (a path head is compared with "
+        "its base, so it is trained after it)",
+    )
     p.add_argument("--steps", type=int, default=800)
     p.add_argument("--tau-every", type=int, default=200, help="val/tau curve every N steps")
     p.add_argument(
