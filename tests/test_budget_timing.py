@@ -151,7 +151,9 @@ def test_slow_ar_rounds_never_make_trees_cheaper_than_the_profile():
     rounds of budget 8 at 0.73x AR). The clock may only raise costs. (`probe_cost` 8 makes the probe
     budget 8, costing 6.3 AR steps: a budget whose round could pay were all 8 drafts accepted, so the
     schedule plays it; with the default the probe would be budget 2, which cannot pay even then and is
-    never played.)"""
+    never played.) Unpaired times may only raise costs; pairs (a tree round next to an AR round) move them
+    both ways, and the spike's AR rounds are not next to quiet tree rounds often enough to outvote the
+    quiet pairs (`test_pairs_*` below)."""
     prof = profile(slope=0.5, draft=1.3)  # cost(k) = 2.3 + k/2
     assert prof.cost(2) == pytest.approx(3.3)
     pol = started(AutoBudget(prof, prior(), explore_every=10**6, probe_every=4, probe_cost=8.0))
@@ -168,6 +170,90 @@ def test_slow_ar_rounds_never_make_trees_cheaper_than_the_profile():
     # what drafts now is the probe schedule alone (intervals doubling from 4), never a chosen budget
     assert sum(1 for k in quiet if k) <= 1 + (245 // 4).bit_length(), quiet
     assert pol.best() == 0
+
+
+# ------------------------------------------------------------------------------------------ pairs
+def timed(pol: AutoBudget, k: int, cost: float, batch: int = 1) -> None:
+    """One round at budget `k` taking `cost` AR steps on the test's clock (a chain tree, root accepted)."""
+    pol.observe_time(k, batch, cost * AR_SECONDS)
+    pol.observe(DraftTree.chain(list(range(k + 1))), [0])
+
+
+def test_pairs_lower_a_profile_too_dear_for_their_budget_only():
+    """A tree round timed right next to an AR round is a pair; `timing_samples` pairs at a budget set its
+    cost to the profile's times their (upper median) ratio, below the profile's too. Unpaired rounds and
+    other budgets keep the one-sided rule."""
+    prof = profile(slope=0.8, draft=0.0)  # cost(k) = 1 + 0.8 k
+    pol = started(AutoBudget(prof, prior(), timing_samples=2))
+    timed(pol, 0, 1.0)
+    timed(pol, 2, 0.8 * prof.cost(2))  # pair 1: 0.8
+    timed(pol, 2, 0.8 * prof.cost(2))  # its neighbour (AR) is taken: no pair
+    assert pol.round_cost(2) == pytest.approx(prof.cost(2))  # one pair, unpaired ratio 0.8 < 1: profile
+    timed(pol, 0, 1.0)  # pair 2 with the round before it: 0.8
+    assert pol.timing_report()["1"]["2"]["paired_rounds"] == 2
+    assert pol.round_cost(2) == pytest.approx(0.8 * prof.cost(2))
+    assert pol.round_cost(4) == pytest.approx(prof.cost(4))  # no pairs of its own: never lowered
+    # nothing pairs across a round that was not timed (a round of mixed tree sizes, say)
+    timed(pol, 0, 1.0)
+    pol.observe(DraftTree.chain([0]), [0])
+    timed(pol, 2, 1.2 * prof.cost(2))
+    assert pol.timing_report()["1"]["2"]["paired_rounds"] == 2
+    # dearer pairs: the upper median of (0.8, 0.8, 1.2) is 0.8; one more 1.2 makes it 1.2
+    for expected in (0.8, 1.2):
+        timed(pol, 0, 1.0)
+        timed(pol, 2, 1.2 * prof.cost(2))
+        assert pol.round_cost(2) == pytest.approx(expected * prof.cost(2))
+
+
+def test_pairs_ignore_load_that_slows_both_neighbours():
+    """A burst slows an AR round and the tree round next to it alike: the pair's ratio is the profile's,
+    where the unpaired rule would have read the slow AR rounds against earlier quiet tree rounds."""
+    prof = profile(slope=0.8, draft=0.0)
+    pol = started(AutoBudget(prof, prior(), timing_samples=2))
+    for load in (1.0, 1.5, 2.0, 1.5):
+        timed(pol, 0, load)
+        timed(pol, 2, load * prof.cost(2))
+    assert pol.round_cost(2) == pytest.approx(prof.cost(2))
+    # and no pair can put a tree round below one AR step
+    for _ in range(3):
+        timed(pol, 0, 1.0)
+        timed(pol, 1, 0.1)
+    assert pol.round_cost(1) == pytest.approx(1.0)
+
+
+def run_rounds_tau18(pol: AutoBudget, tree_factor: float, rounds: int) -> list[int]:
+    """`run_rounds` with a head that accepts nothing in one round of five (tau(1) = 1.8, tau(k>1) = 2.6)
+    and tree rounds costing `tree_factor` times the profile's cost."""
+    played = []
+    for i in range(rounds):
+        k = pol.choose()
+        played.append(k)
+        pol.observe_time(k, 1, (tree_factor * pol.cost.cost(k) if k else 1.0) * AR_SECONDS)
+        pol.observe(DraftTree.chain(list(range(k + 1))), [0] if i % 5 == 0 else list(range(min(3, k + 1))))
+    return played
+
+
+@pytest.mark.parametrize("tree_factor", [0.85, 1.0], ids=["loop-cheaper", "profile-right"])
+def test_a_profile_too_dear_is_fixed_by_the_rounds_it_explores(tree_factor):
+    """The profile puts budget 1 at 1.8 AR steps against tau 1.8: AR by a hair (speed 1.0 < min_gain).
+    In the decode loop trees cost 15% less, so budget 1 pays 1.18x: the explorations of budget 1, each
+    next to an AR round, are pairs, and after two of them the policy speculates (and stays, its AR checks
+    pairing too). Where the profile is right, the same explorations keep it at AR."""
+    prof = profile(slope=0.8, draft=0.0)
+    ks = [k for k in LADDER_BUDGETS if k]
+    tau18 = AcceptanceProfile(
+        budgets=ks, tau=[1.8 if k == 1 else 2.6 for k in ks], rounds=[100] * len(ks), width=4
+    )
+    pol = started(AutoBudget(prof, tau18, probe_every=10**6))
+    assert pol.best() == 0
+    played = run_rounds_tau18(pol, tree_factor, 300)
+    tail = played[-100:]
+    if tree_factor < 1:
+        assert sum(1 for k in tail if k) >= 90, played
+        assert pol.round_cost(1) == pytest.approx(tree_factor * prof.cost(1))
+    else:
+        assert sum(1 for k in tail if k) <= 5, played
+        assert pol.round_cost(1) == pytest.approx(prof.cost(1))
 
 
 def test_each_batch_size_is_checked_on_its_own():

@@ -76,13 +76,17 @@ build, verify, acceptance and commit, what the profile's cost covers), and the p
 with one measured row, so a batch draining from 16 to 9 requests is learned once). Once `timing_samples`
 AR rounds and tree rounds were timed in a bucket, a budget's cost is the profile's times its rounds' ratio
 over AR's (lower medians: robust to the slow first call of a new shape; a budget timed fewer times takes
-the ratio of every tree round in the bucket), where that ratio is above 1: the clock raises costs, never
-lowers them below the profile's (`round_cost` says why). AR times come from AR check rounds: while speculating in a
-bucket whose AR time is unknown or stale, one round in `check_every` (doubling while the checks change
-nothing, up to `max_check_every`) is played as AR. A wrong profile then costs a few rounds, not a session: the
-choice moves to a smaller budget or to AR as soon as the clock disagrees with it. Times expire after
-`max_check_every` session rounds without a new one, so a session that went to AR under a burst of load
-falls back to the profile and tries speculating again (a few rounds per expiry).
+the ratio of every tree round in the bucket), where that ratio is above 1: times taken at different
+moments only raise costs (`round_cost` says why). A tree round timed right next to an AR round of its
+bucket forms a *pair*, and once a budget has `timing_samples` pairs its cost is the profile's times their
+ratio, lower or higher (lower only as far as the unpaired ratio agrees): neighbours share the machine's
+load, so a pair says what a round costs *in the decode loop*, which a profile measured apart from it can
+miss. AR times come from AR check rounds: while speculating in a bucket whose AR time is unknown or
+stale, one round in `check_every` (doubling while the checks change nothing, up to `max_check_every`) is
+played as AR. A wrong profile then costs a few rounds, not a session: the choice moves to a smaller
+budget or to AR as soon as the clock disagrees with it. Times expire after `max_check_every` session
+rounds without a new one, so a session that went to AR under a burst of load falls back to the profile
+and tries speculating again (a few rounds per expiry).
 """
 
 from __future__ import annotations
@@ -401,6 +405,13 @@ class AutoBudget:
         self._next_check: dict[int, int] = {}
         self._check_interval: dict[int, int] = {}
         self._checking: int | None = None  # the budget an AR check round stands in for
+        # (batch bucket, tree budget) -> the last `timing_window` *paired* ratios: a tree round's
+        # observed/profiled seconds over those of an AR round played right before or after it in the same
+        # bucket (each round in at most one pair), and the session round of the last pair
+        self._pairs: dict[tuple[int, int], deque[float]] = {}
+        self._paired_at: dict[tuple[int, int], int] = {}
+        # the last timed round, while it is free to pair: (session round, bucket, budget, observed/profiled)
+        self._unpaired: tuple[int, int, int, float] | None = None
         if request_weight < 0:
             raise ValueError("request_weight must be >= 0")
         self.request_weight = float(request_weight)
@@ -543,13 +554,21 @@ class AutoBudget:
         by the clock (module doc) once AR and tree rounds were timed in this batch size's bucket: the
         profile's cost times (observed / profiled seconds of this budget's rounds, or of every tree round
         there while this budget has too few) over (observed / profiled seconds of AR rounds), where that
-        ratio exceeds 1. The clock only raises a cost, never lowers it below the profile's: the ratio
+        ratio exceeds 1. That unpaired ratio only raises a cost, never lowers it below the profile's: it
         divides tree times by AR times taken at other moments, and on a shared machine a burst of slow
         AR rounds makes it fall below 1 with nothing cheaper about the trees (measured: SmolLM2, torch,
         a burst of AR rounds at 1.3-1.5x their profile made budget 8 look 20% cheaper, and `auto` played
-        it for 50 rounds at 0.73x AR). Speculating on a cost lower than the profile's would risk being
-        slower than AR on evidence that noise produces; a profile that is too dear is fixed by measuring
-        it again, not by the clock."""
+        it for 50 rounds at 0.73x AR).
+
+        *Paired* evidence moves a cost both ways: once `timing_samples` rounds at this budget were each
+        timed next to an AR round of the same bucket (the round right before or after it, each round in
+        one pair: `observe_time`), the cost is the profile's times the upper median of those pairs'
+        ratios (never below 1 AR step), or the unpaired ratio where that is higher (the clock still
+        raises at once; it lowers only where both agree). Two rounds back to back share the load, as the
+        profile's own paired samples do, so a burst slows both halves of a pair; the upper median needs
+        a majority of pairs to say "cheaper". This is what fixes a profile that is too dear for the decode loop, which
+        runs on other shapes and memory than the profile's measurement (measured: SmolLM2, torch, 16
+        requests, budget 1 profiled at 1.74-1.81 AR steps, 1.64-1.69 in the loop, where it pays)."""
         assert self.cost is not None, "call start(backend) first"
         profiled = self.cost.cost(budget, batch, self._kv_len)
         if budget == 0 or not self.check_costs:
@@ -559,7 +578,14 @@ class AutoBudget:
         tree = self._error(bucket, budget)
         if tree is None:
             tree = self._error(bucket, None)
-        return profiled if ar is None or tree is None else profiled * max(1.0, tree / ar)
+        unpaired = None if ar is None or tree is None else tree / ar
+        paired = self._paired_error(bucket, budget)
+        if paired is None:
+            return profiled * max(1.0, unpaired or 1.0)
+        # the unpaired ratio still raises at once: pairs form only where an AR round sits next to a tree
+        # round (AR check rounds, whose intervals double while the choice holds; explorations from AR),
+        # so a load that makes every tree round dear shows in the unpaired times first
+        return max(1.0, profiled * (paired if unpaired is None else max(paired, unpaired)))
 
     def _bucket(self, batch: int) -> int:
         """The batch sizes whose times are pooled: those the profile costs with the same measured row
@@ -590,6 +616,35 @@ class AutoBudget:
         xs = sorted(self._fresh(bucket, budget))
         return xs[(len(xs) - 1) // 2] if len(xs) >= self.timing_samples else None
 
+    def _paired_error(self, bucket: int, budget: int) -> float | None:
+        """Upper median of the unexpired paired ratios (tree over adjacent AR round, observed/profiled
+        seconds) at `budget` in `bucket`; None below `timing_samples` pairs."""
+        key = (bucket, budget)
+        xs = self._pairs.get(key)
+        if not xs or self._session_round - self._paired_at[key] > self.max_check_every:
+            return None
+        ordered = sorted(xs)
+        return ordered[len(ordered) // 2] if len(ordered) >= self.timing_samples else None
+
+    def _pair(self, bucket: int, budget: int, error: float) -> None:
+        """Pair this timed round with the one timed just before it when they are neighbours in one bucket,
+        one AR and one tree round, and neither is in a pair yet (`round_cost`: paired evidence)."""
+        last, self._unpaired = self._unpaired, (self._session_round, bucket, budget, error)
+        if (
+            last is None
+            or last[0] != self._session_round - 1
+            or last[1] != bucket
+            or (last[2] == 0) == (budget == 0)
+        ):
+            return
+        tree_budget, tree_err, ar_err = (budget, error, last[3]) if budget else (last[2], last[3], error)
+        key = (bucket, tree_budget)
+        if key in self._pairs and self._session_round - self._paired_at[key] > self.max_check_every:
+            self._pairs[key].clear()  # expired, as `_times`
+        self._pairs.setdefault(key, deque(maxlen=self.timing_window)).append(tree_err / ar_err)
+        self._paired_at[key] = self._session_round
+        self._unpaired = None  # this round is in a pair now
+
     def observe_time(self, budget: int, batch: int, seconds: float) -> None:
         """Wall time of one round played at `budget` (every tree of that size) for `batch` requests.
 
@@ -607,6 +662,7 @@ class AutoBudget:
             self._times[key].clear()  # expired: start over rather than mix in the old load's times
         self._times.setdefault(key, deque(maxlen=self.timing_window)).append(float(seconds) / profiled)
         self._timed_at[key] = self._session_round
+        self._pair(key[0], key[1], float(seconds) / profiled)
         if budget == 0 and self._checking is not None:
             stood_in_for, self._checking = self._checking, None
             if self._error(key[0], 0) is None:
@@ -885,7 +941,8 @@ class AutoBudget:
 
     def timing_report(self) -> dict[str, dict[str, dict[str, float]]]:
         """What the clock check saw, for benchmarks and logs: per batch bucket and budget, the recent
-        rounds' count and lower-median observed/profiled seconds, and the cost in use vs the profile's."""
+        rounds' count and lower-median observed/profiled seconds, the paired rounds' count and upper-median
+        ratio (tree over its neighbouring AR round, `round_cost`), and the cost in use vs the profile's."""
         assert self.cost is not None, "call start(backend) first"
         out: dict[str, dict[str, dict[str, float]]] = {}
         for (bucket, k), xs in sorted(self._times.items()):
@@ -893,6 +950,10 @@ class AutoBudget:
                 continue
             ordered = sorted(xs)
             row = {"rounds": float(len(xs)), "observed_over_profiled": ordered[(len(xs) - 1) // 2]}
+            pairs = self._pairs.get((bucket, k))
+            if k and pairs:
+                row["paired_rounds"] = float(len(pairs))
+                row["paired_tree_over_ar"] = sorted(pairs)[len(pairs) // 2]
             if k:
                 row["cost_profiled"] = self.cost.cost(k, bucket)
                 row["cost_used"] = self.round_cost(k, bucket)
