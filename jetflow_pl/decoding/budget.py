@@ -566,9 +566,11 @@ class AutoBudget:
         ratios (never below 1 AR step), or the unpaired ratio where that is higher (the clock still
         raises at once; it lowers only where both agree). Two rounds back to back share the load, as the
         profile's own paired samples do, so a burst slows both halves of a pair; the upper median needs
-        a majority of pairs to say "cheaper". This is what fixes a profile that is too dear for the decode loop, which
-        runs on other shapes and memory than the profile's measurement (measured: SmolLM2, torch, 16
-        requests, budget 1 profiled at 1.74-1.81 AR steps, 1.64-1.69 in the loop, where it pays)."""
+        a majority of pairs to say "cheaper". Pairs are for a profile too dear for the decode loop, which
+        runs other shapes and memory than the profile's measurement (seen on SmolLM2, torch, 16 requests:
+        budget 1 profiled at 1.74-1.81 AR steps, 1.64-1.69 in the loop, where it paid). Tested on a
+        scripted clock (`tests/test_budget_timing.py`); on SmolLM2 the next time, that gap did not recur
+        and the pairs changed no choice (docs/BENCHMARKS.md, "Paired clock evidence")."""
         assert self.cost is not None, "call start(backend) first"
         profiled = self.cost.cost(budget, batch, self._kv_len)
         if budget == 0 or not self.check_costs:
