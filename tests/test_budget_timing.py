@@ -50,16 +50,21 @@ class FakeBackend:
     max_positions = 4096
 
 
-def run_rounds(pol: AutoBudget, true_cost, rounds: int, batch: int = 1) -> list[int]:
+def accepts_two(i: int, k: int) -> list[int]:
+    """What the head's TAU says round `i` of a budget-`k` chain accepts: its first two drafts."""
+    return list(range(min(3, k + 1)))
+
+
+def run_rounds(pol: AutoBudget, true_cost, rounds: int, batch: int = 1, accepts=accepts_two) -> list[int]:
     """Play `rounds` rounds: the policy chooses, the round takes `true_cost(k) * AR_SECONDS` seconds on the
-    test's clock and accepts what the head's TAU says (a chain tree accepting its first two drafts)."""
+    test's clock and every request's chain tree accepts the node ids `accepts(round, k)`."""
     played = []
-    for _ in range(rounds):
+    for i in range(rounds):
         stats = [AcceptanceStats(LADDER_BUDGETS) for _ in range(batch)]
         k = pol.choose() if batch == 1 else pol.choose_batch(stats)
         played.append(k)
         trees = [DraftTree.chain(list(range(k + 1))) for _ in range(batch)]
-        accepted = [list(range(min(3, k + 1)))] * batch
+        accepted = [accepts(i, k)] * batch
         pol.observe_time(k, batch, true_cost(k) * AR_SECONDS)
         if batch == 1:
             pol.observe(trees[0], accepted[0])
@@ -221,16 +226,9 @@ def test_pairs_ignore_load_that_slows_both_neighbours():
     assert pol.round_cost(1) == pytest.approx(1.0)
 
 
-def run_rounds_tau18(pol: AutoBudget, tree_factor: float, rounds: int) -> list[int]:
-    """`run_rounds` with a head that accepts nothing in one round of five (tau(1) = 1.8, tau(k>1) = 2.6)
-    and tree rounds costing `tree_factor` times the profile's cost."""
-    played = []
-    for i in range(rounds):
-        k = pol.choose()
-        played.append(k)
-        pol.observe_time(k, 1, (tree_factor * pol.cost.cost(k) if k else 1.0) * AR_SECONDS)
-        pol.observe(DraftTree.chain(list(range(k + 1))), [0] if i % 5 == 0 else list(range(min(3, k + 1))))
-    return played
+def accepts_tau18(i: int, k: int) -> list[int]:
+    """A head that accepts nothing in one round of five: tau(1) = 1.8, tau(k > 1) = 2.6."""
+    return [0] if i % 5 == 0 else accepts_two(i, k)
 
 
 @pytest.mark.parametrize("tree_factor", [0.85, 1.0], ids=["loop-cheaper", "profile-right"])
@@ -246,7 +244,7 @@ def test_a_profile_too_dear_is_fixed_by_the_rounds_it_explores(tree_factor):
     )
     pol = started(AutoBudget(prof, tau18, probe_every=10**6))
     assert pol.best() == 0
-    played = run_rounds_tau18(pol, tree_factor, 300)
+    played = run_rounds(pol, lambda k: tree_factor * prof.cost(k) if k else 1.0, 300, accepts=accepts_tau18)
     tail = played[-100:]
     if tree_factor < 1:
         assert sum(1 for k in tail if k) >= 90, played

@@ -96,7 +96,7 @@ import math
 import os
 from bisect import bisect_left, bisect_right
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -117,6 +117,13 @@ ACCEPTANCE_PROFILE_FILE = "acceptance_profile.json"
 #: 1/4 is the variance of one that is L or L+1 equally often, the least spread integer data can have
 #: short of being constant)
 VARIANCE_FLOOR = 0.25
+
+
+def _upper_median(xs: Iterable[float]) -> float:
+    """The upper of the two middle values (the middle one of an odd count): with two samples, the larger,
+    so a cost is lowered on paired evidence only when every pair, or a majority, says "cheaper"."""
+    ordered = sorted(xs)
+    return ordered[len(ordered) // 2]
 
 
 def accept_length_at(accepted: Sequence[int], budget: int) -> int:
@@ -608,7 +615,7 @@ class AutoBudget:
             for (bb, k), xs in self._times.items()
             if bb == bucket
             and (k == budget if budget is not None else k > 0)
-            and self._session_round - self._timed_at[(bb, k)] <= self.max_check_every
+            and not self._expired(self._timed_at, (bb, k))
             for x in xs
         ]
 
@@ -618,15 +625,32 @@ class AutoBudget:
         xs = sorted(self._fresh(bucket, budget))
         return xs[(len(xs) - 1) // 2] if len(xs) >= self.timing_samples else None
 
+    def _expired(self, stamps: dict[tuple[int, int], int], key: tuple[int, int]) -> bool:
+        """Whether the samples under `key` were last added over `max_check_every` session rounds ago."""
+        return self._session_round - stamps[key] > self.max_check_every
+
+    def _record(
+        self,
+        window: dict[tuple[int, int], deque[float]],
+        stamps: dict[tuple[int, int], int],
+        key: tuple[int, int],
+        value: float,
+    ) -> None:
+        """Append `value` to `window[key]` (the last `timing_window` samples), starting over when the ones
+        there expired rather than mixing in the old load's times, and stamp it with this session round."""
+        if key in window and self._expired(stamps, key):
+            window[key].clear()
+        window.setdefault(key, deque(maxlen=self.timing_window)).append(value)
+        stamps[key] = self._session_round
+
     def _paired_error(self, bucket: int, budget: int) -> float | None:
         """Upper median of the unexpired paired ratios (tree over adjacent AR round, observed/profiled
         seconds) at `budget` in `bucket`; None below `timing_samples` pairs."""
         key = (bucket, budget)
         xs = self._pairs.get(key)
-        if not xs or self._session_round - self._paired_at[key] > self.max_check_every:
+        if not xs or self._expired(self._paired_at, key) or len(xs) < self.timing_samples:
             return None
-        ordered = sorted(xs)
-        return ordered[len(ordered) // 2] if len(ordered) >= self.timing_samples else None
+        return _upper_median(xs)
 
     def _pair(self, bucket: int, budget: int, error: float) -> None:
         """Pair this timed round with the one timed just before it when they are neighbours in one bucket,
@@ -640,11 +664,7 @@ class AutoBudget:
         ):
             return
         tree_budget, tree_err, ar_err = (budget, error, last[3]) if budget else (last[2], last[3], error)
-        key = (bucket, tree_budget)
-        if key in self._pairs and self._session_round - self._paired_at[key] > self.max_check_every:
-            self._pairs[key].clear()  # expired, as `_times`
-        self._pairs.setdefault(key, deque(maxlen=self.timing_window)).append(tree_err / ar_err)
-        self._paired_at[key] = self._session_round
+        self._record(self._pairs, self._paired_at, (bucket, tree_budget), tree_err / ar_err)
         self._unpaired = None  # this round is in a pair now
 
     def observe_time(self, budget: int, batch: int, seconds: float) -> None:
@@ -660,10 +680,7 @@ class AutoBudget:
             return
         profiled = self.cost.cost(budget, b, self._kv_len) * self.cost.ar_seconds(b, self._kv_len)
         key = (self._bucket(b), int(budget))
-        if key in self._times and self._session_round - self._timed_at[key] > self.max_check_every:
-            self._times[key].clear()  # expired: start over rather than mix in the old load's times
-        self._times.setdefault(key, deque(maxlen=self.timing_window)).append(float(seconds) / profiled)
-        self._timed_at[key] = self._session_round
+        self._record(self._times, self._timed_at, key, float(seconds) / profiled)
         self._pair(key[0], key[1], float(seconds) / profiled)
         if budget == 0 and self._checking is not None:
             stood_in_for, self._checking = self._checking, None
@@ -955,7 +972,7 @@ class AutoBudget:
             pairs = self._pairs.get((bucket, k))
             if k and pairs:
                 row["paired_rounds"] = float(len(pairs))
-                row["paired_tree_over_ar"] = sorted(pairs)[len(pairs) // 2]
+                row["paired_tree_over_ar"] = _upper_median(pairs)
             if k:
                 row["cost_profiled"] = self.cost.cost(k, bucket)
                 row["cost_used"] = self.round_cost(k, bucket)
