@@ -223,6 +223,36 @@ def test_no_probe_or_exploration_where_even_k_plus_1_tokens_could_not_pay():
     assert pol.probe_budget(8) > 0  # a probe budget exists: it is the bound that keeps it unplayed
 
 
+def test_a_probe_plays_only_as_far_as_a_budget_could_pay():
+    """SmolLM2 at 16 requests on 2 cores (measured 2026-12-06): budget 1 costs ~1.8 batched AR steps and
+    its request accepts a draft 81% of the time, so it is at break-even and its upper bound keeps it worth
+    a look; budget 4 costs ~3.6 and accepts no more. Once one probe measured budget 4, only budget 1 could
+    pay even on its bound: every later probe must play budget 1, which measures all that could pay. The
+    old rule played the probe budget (4) at every scheduled probe, ~1.8 AR steps lost each time (three
+    probes in 190 rounds: 5.3 AR steps, 2.8% of a fresh 64-request pass)."""
+    cost = profile({16: 0.6})  # cost(k, 16) = 1.2 + 0.6 k: 1.8 / 2.4 / 3.6 at budgets 1 / 2 / 4
+    smollm2 = {1: 1.575, 2: 1.739, 4: 1.856, 8: 2.399, 16: 2.987}  # the shipped head's calibration
+    pol = started(AutoBudget(cost, prior(smollm2, rounds=153)))
+    probe = pol.probe_budget(16)
+    assert probe == 4
+    reqs = fresh(16)
+    played = []
+    for r in range(190):
+        k = choose_round_budget(pol, reqs)
+        played.append(k)
+        # 13 of 16 requests accept exactly one draft (which three miss rotates with the round)
+        drafts = [0 if (i + r) % 16 in (3, 9, 14) else 1 for i in range(16)]
+        accepted = [list(range(min(k, d) + 1)) for d in drafts]
+        for st, acc in zip(reqs, accepted, strict=True):
+            if k:
+                st.observe(acc, k)
+        observe_round(pol, [DraftTree.chain(list(range(k + 1))) for _ in reqs], accepted)
+    trees = [k for k in played if k]
+    assert trees.count(probe) == 1, played  # the first probe: budget 4 had never been seen
+    assert set(trees) == {1, probe}, played  # every other look is at budget 1
+    assert played.count(0) >= 180, played
+
+
 def test_the_upper_bound_is_tight_with_evidence_and_loosens_as_it_ages():
     pol = started(AutoBudget(GPU, prior(), memory=64))
     assert pol.optimistic_tau(16, 3.0) == 17.0  # never observed: anything up to k + 1 tokens
