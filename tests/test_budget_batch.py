@@ -229,7 +229,7 @@ def test_a_probe_plays_only_as_far_as_a_budget_could_pay():
     a look; budget 4 costs ~3.6 and accepts no more. Once one probe measured budget 4, only budget 1 could
     pay even on its bound: every later probe must play budget 1, which measures all that could pay. The
     old rule played the probe budget (4) at every scheduled probe, ~1.8 AR steps lost each time (three
-    probes in 190 rounds: 5.3 AR steps, 2.8% of a fresh 64-request pass)."""
+    probes in 190 rounds: 5.4 AR steps, 2.8% of the rounds)."""
     cost = profile({16: 0.6})  # cost(k, 16) = 1.2 + 0.6 k: 1.8 / 2.4 / 3.6 at budgets 1 / 2 / 4
     smollm2 = {1: 1.575, 2: 1.739, 4: 1.856, 8: 2.399, 16: 2.987}  # the shipped head's calibration
     pol = started(AutoBudget(cost, prior(smollm2, rounds=153)))

@@ -26,7 +26,7 @@ without it each generation starts from the prior alone. With no prior and nothin
 choice are never observed by playing it, so their estimates could go stale (or a prior from other data
 could be wrong): every `explore_every` rounds the next larger candidate is played once if its estimate
 is within `explore_margin` of the best, and on a session-wide schedule (`probe_every`, doubling while it
-changes nothing) the probe budget is played whatever the estimates say; both intervals double while
+changes nothing) a probe is played whatever the point estimates say; both intervals double while
 exploring does not change the choice, except that a probe round in which a budget above the current
 choice beat the choice on that same round is followed by another probe (the estimate is behind the data:
 cheap, since such rounds are fast). Neither explores nor probes a budget that cannot pay even on an
@@ -37,9 +37,9 @@ largest such budget (at most the probe budget): it measures every budget that co
 larger tree that cannot (measured, SmolLM2 on torch at 16 requests: budget 1 sits at break-even there,
 and each probe at the probe budget 4 lost ~1.8 batched AR steps, 1-3% of a fresh pass). A budget never
 seen has no bound (k + 1 tokens), so a prior from other data is still checked; the evidence of a budget
-not seen for a while counts less (its rounds are weighted `memory / (memory + rounds since)`), so a session whose
-data changed looks again. What this saves is largest at large batches: at 16 requests on 2 cores a
-budget-16 round costs 3-4.5 batched AR steps and yields ~3.5 tokens per request, so a probe there only
+not seen for a while counts less (its rounds are weighted `memory / (memory + rounds since)`), so a
+session whose data changed looks again. What this saves is largest at large batches: at 16 requests on
+2 cores a budget-16 round costs 3-4.5 batched AR steps and yields ~3.5 tokens per request, so a probe there only
 repeats what the session already knows, at a loss (measured, ONNX Runtime: 8-21% of the request-rounds
 of a fresh `auto` at 16 requests went to budgets 8-32).
 
@@ -820,9 +820,7 @@ class AutoBudget:
             self._checking = best
             return 0
         if self._session_round >= self._next_probe_at:
-            # the largest budget up to the probe budget that could pay: a probe there measures every
-            # budget that could, and nothing that costs more without being able to (module doc)
-            target = self._largest_that_could_pay(best, self.probe_budget(b), speeds, b)
+            target = self._probe_target(best, speeds, b)
             if target:
                 self._explored_from, self._probing = best, True
                 return target
@@ -867,6 +865,12 @@ class AutoBudget:
             if best < k <= top and bound(k) / self.round_cost(k, batch) > bar
         ]
         return max(could, default=0)
+
+    def _probe_target(self, best: int, speeds: dict[int, float], batch: int) -> int:
+        """The budget a due probe plays over the choice `best`, 0 for none: the largest up to the probe
+        budget that could pay, so the probe measures every budget that could and nothing that costs more
+        without being able to (module doc)."""
+        return self._largest_that_could_pay(best, self.probe_budget(batch), speeds, batch)
 
     def _could_pay(self, best: int, top: int, speeds: dict[int, float], batch: int) -> bool:
         """Whether some candidate in (best, top] could beat the choice `best` (`_largest_that_could_pay`)."""
@@ -928,8 +932,7 @@ class AutoBudget:
                 )
         if self._session_round >= self._next_probe_at:
             now = speeds()
-            choice, probe = self._best_of(now), self.probe_budget(b)
-            if probe <= choice or not self._could_pay(choice, probe, now, b):
+            if not self._probe_target(self._best_of(now), now, b):
                 # nothing above the choice that a probe could show to pay: look again one interval later
                 self._next_probe_at = self._session_round + self._probe_interval
         self._round += 1
