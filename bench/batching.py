@@ -15,9 +15,12 @@ no draft), a closed loop keeps B requests in flight (a new one joins as soon as 
 configuration first decodes `--warmup` requests untimed at that B (for `auto` that loads or measures this
 machine's cost profile up to B and lets the policy learn the head's acceptance; without a prior it probes).
 Configurations are interleaved per batch size and the whole grid is run `--repeats` times, so a burst of
-load on a shared machine hits all of them alike; the median over repeats is reported. Every request's
-tokens must equal the AR run's for the same prompt (the engine is lossless at every batch size and
-budget), or the bench stops with an error.
+load on a shared machine hits all of them alike; the median over repeats is reported. Repeat r starts at
+configuration r (mod their count) and goes round, so no configuration always runs first or last: a drift
+within a repeat (a process warming up, load building) is spread over all of them instead of always
+favouring one (the order each repeat ran is written with the results). Every request's tokens must equal
+the AR run's for the same prompt (the engine is lossless at every batch size and budget), or the bench
+stops with an error.
 
 Writes JSON to `--out`: per B and configuration, tokens/s (median and every repeat), the speedup over AR
 at the same B (of the medians, and of each repeat against the AR pass beside it), the same for the loop's
@@ -114,6 +117,13 @@ def closed_loop(
     }
 
 
+def run_order(configs: Sequence[str], rep: int) -> list[str]:
+    """The order repeat `rep` runs `configs` in: starting at configuration `rep` (mod their count) and going
+    round, so over as many repeats as configurations each one runs once in every position."""
+    start = rep % len(configs)
+    return [*configs[start:], *configs[:start]]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", type=Path, default=REPO / "data_gen/toy/assets/small")
@@ -178,22 +188,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     cache_dir = args.cache_dir or Path(tempfile.mkdtemp(prefix="jetflow_costs_"))
     measured: dict[str, dict[int, list[dict]]] = {b: {B: [] for B in args.batch} for b in args.budgets}
     views: dict[int, dict] = {}
+    orders: list[list[str]] = []
     for rep in range(args.repeats):
+        order = run_order(args.budgets, rep)
+        orders.append(order)
         for B in args.batch:
-            reference = None
-            for budget in args.budgets:
+            outputs_of: dict[str, dict[int, list[int]]] = {}
+            for budget in order:
                 backend = make_backend(B)
                 policy = AutoBudget(prior=prior, cache_dir=cache_dir) if budget == "auto" else int(budget)
                 gen = SpeculativeGenerator(backend, policy, args.width, eos_token_id=eos)
                 if args.warmup > 0:
                     closed_loop(gen, B, prompts[::-1], args.warmup, args.max_tokens)  # untimed
                 level = closed_loop(gen, B, prompts, args.requests, args.max_tokens)
-                outputs = level.pop("_outputs")
-                if budget == "0":
-                    reference = outputs
-                elif outputs != reference:
-                    bad = [i for i in outputs if outputs[i] != reference[i]]
-                    raise SystemExit(f"budget {budget}, batch {B}: requests {bad} differ from AR")
+                outputs_of[budget] = level.pop("_outputs")
                 measured[budget][B].append(level)
                 if budget == "auto" and rep == 0:
                     cost = policy.cost
@@ -219,6 +227,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"tau {level['tau']:.2f}, budgets {level['budgets_played']}",
                     flush=True,
                 )
+            reference = outputs_of["0"]
+            for budget, outputs in outputs_of.items():
+                if outputs != reference:
+                    bad = [i for i in outputs if outputs[i] != reference[i]]
+                    raise SystemExit(f"budget {budget}, batch {B}: requests {bad} differ from AR")
     table: dict[str, dict[str, dict]] = {}
     for budget in args.budgets:
         table[budget] = {}
@@ -257,6 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("out",)
         },
         "acceptance_prior": None if prior is None else prior.source,
+        "order_per_repeat": orders,
         "results": table,
         "auto_cost_view": {str(B): v for B, v in views.items()},
     }

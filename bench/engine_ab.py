@@ -5,7 +5,8 @@ against what it replaces in one run rather than against a number from another da
     OMP_NUM_THREADS=1 python bench/engine_ab.py --engine-dirs /tmp/engines_before engines/smollm2_b16 \\
         --batch 1 8 16 --budgets 0 --repeats 3 --threads 1 --out bench/results/ort_graph_ab.json
 
-For each repeat, batch size B and budget, every engine decodes the same closed loop (`batching.closed_loop`:
+For each repeat, batch size B and budget, every engine decodes the same closed loop, repeat r starting at
+engine r (mod their count: `batching.run_order`, so no engine always runs first) (`batching.closed_loop`:
 B requests in flight until `--requests` greedy requests are done, after `--warmup` untimed ones); the
 median tokens/s over repeats and its ratio to the first engine's are reported. Every engine's tokens are
 compared with the first engine's at budget 0: graphs that compute the same function in another order can
@@ -30,7 +31,7 @@ if str(REPO) not in sys.path:  # `python bench/engine_ab.py` from anywhere
     sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from batching import closed_loop  # noqa: E402  (bench/batching.py: the closed loop)
+from batching import closed_loop, run_order  # noqa: E402  (bench/batching.py: the closed loop)
 from budget_auto import read_prompts  # noqa: E402  (bench/budget_auto.py: the shared prompt reader)
 
 from jetflow_pl.decoding import SpeculativeGenerator  # noqa: E402
@@ -64,6 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokenizer = _load_tokenizer(args.engine_dirs[0] / "tokenizer")
     prompts = read_prompts(args.prompts, tokenizer, args.n_prompts, True)
     names = [str(d) for d in args.engine_dirs]
+    dirs = dict(zip(names, args.engine_dirs, strict=True))
     runs: dict[str, dict[int, dict[int, list[float]]]] = {
         n: {B: {k: [] for k in args.budgets} for B in args.batch} for n in names
     }
@@ -72,8 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for B in args.batch:
             reference: dict[str, dict] = {}  # per engine: its budget-0 tokens
             for budget in args.budgets:
-                for name, engine_dir in zip(names, args.engine_dirs, strict=True):
-                    backend = OnnxRuntimeBackend(engine_dir, intra_op_threads=args.threads, max_batch=B)
+                for name in run_order(names, rep):  # no engine always runs first
+                    backend = OnnxRuntimeBackend(dirs[name], intra_op_threads=args.threads, max_batch=B)
                     gen = SpeculativeGenerator(
                         backend, budget, args.width, eos_token_id=tokenizer.eos_token_id
                     )
@@ -83,9 +85,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                     outputs = level.pop("_outputs")
                     if budget == 0:
                         reference[name] = outputs
-                        if rep == 0:  # greedy near-ties another graph may flip: counted, not an error
-                            first = reference[names[0]]
-                            differing[name] += sum(outputs[i] != first[i] for i in outputs)
                     elif outputs != reference[name]:
                         bad = [i for i in outputs if outputs[i] != reference[name][i]]
                         raise SystemExit(f"{name}, budget {budget}, batch {B}: requests {bad} differ from AR")
@@ -94,6 +93,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"rep {rep} B={B} budget {budget} {name}: {level['tokens_per_s']:.1f} tok/s",
                         flush=True,
                     )
+            if rep == 0:  # greedy near-ties another graph may flip: counted, not an error
+                first = reference[names[0]]
+                for name in names:
+                    differing[name] += sum(reference[name][i] != first[i] for i in first)
     table = {
         name: {
             str(B): {

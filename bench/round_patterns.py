@@ -11,7 +11,8 @@ and tree rounds, a tree round after a stretch of AR rounds drafts after the head
 the head first reads every context row it missed, which the cost profile (one AR round between drafts)
 does not price. Comparing the budget-1 rounds of `every10` with those of `steady1` measures that
 catch-up, and the AR rounds of the mixes against `ar` whether mixing costs the AR rounds anything.
-Patterns are interleaved and the set repeated (`--repeats`), so machine drift hits all alike. Every
+Patterns are interleaved and the set repeated (`--repeats`), each repeat starting one pattern further
+(`batching.run_order`), so machine drift hits all alike. Every
 request's tokens must equal the `ar` pattern's (lossless), or the bench stops.
 
 Writes JSON: per pattern and repeat, the wave's wall seconds and tokens/s, and per budget the rounds
@@ -38,6 +39,7 @@ if str(REPO) not in sys.path:  # `python bench/round_patterns.py` from anywhere
     sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from batching import run_order  # noqa: E402  (bench/batching.py: no pattern always runs first)
 from budget_auto import read_prompts  # noqa: E402  (bench/budget_auto.py: the shared prompt reader)
 
 from jetflow_pl.decoding import SpeculativeGenerator  # noqa: E402
@@ -145,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {name: [] for name in args.patterns}
     reference = None
     for rep in range(args.repeats):
-        for name in args.patterns:
+        for name in run_order(args.patterns, rep):  # the first repeat runs `ar` first: the reference
             policy = PatternBudget(PATTERNS[name])
             backend = TorchBackend(target, head, max_batch=args.batch)
             gen = SpeculativeGenerator(backend, policy, args.width, eos_token_id=tokenizer.eos_token_id)

@@ -46,6 +46,21 @@ def test_bench_batching_smoke_without_warmup(tmp_path, monkeypatch):
             elif budget == "4":
                 assert set(played) == {"4"}
     assert set(res["auto_cost_view"]) == {"1", "2"}
+    assert res["order_per_repeat"] == [["0", "4", "auto"]]  # the first repeat starts at AR
+
+
+def test_run_order_puts_every_configuration_once_in_every_position(monkeypatch):
+    """Over as many repeats as configurations, each one runs first once, last once, ...: a drift within a
+    repeat (load building, a process warming up) cannot always favour the same configuration."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    from batching import run_order
+
+    configs = ["0", "4", "16", "auto"]
+    orders = [run_order(configs, rep) for rep in range(8)]
+    assert all(sorted(o) == sorted(configs) for o in orders)
+    for position in range(len(configs)):
+        assert sorted(o[position] for o in orders[:4]) == sorted(configs)
+    assert orders[4:] == orders[:4] and orders[1] == ["4", "16", "auto", "0"]
 
 
 def test_closed_loop_has_no_steady_part_when_every_request_fits_the_first_batch(monkeypatch):
