@@ -5,10 +5,10 @@ against what it replaces in one run rather than against a number from another da
     OMP_NUM_THREADS=1 python bench/engine_ab.py --engine-dirs /tmp/engines_before engines/smollm2_b16 \\
         --batch 1 8 16 --budgets 0 --repeats 3 --threads 1 --out bench/results/ort_graph_ab.json
 
-For each repeat, batch size B and budget, every engine decodes the same closed loop, repeat r starting at
-engine r (mod their count: `batching.run_order`, so no engine always runs first) (`batching.closed_loop`:
-B requests in flight until `--requests` greedy requests are done, after `--warmup` untimed ones); the
-median tokens/s over repeats and its ratio to the first engine's are reported. Every engine's tokens are
+For each repeat, batch size B and budget, every engine decodes the same closed loop (`batching.closed_loop`:
+B requests in flight until `--requests` greedy requests are done, after `--warmup` untimed ones), repeat r
+starting at engine r and going round (`batching.run_order`: no engine always runs first); the median
+tokens/s over repeats and its ratio to the first engine's are reported. Every engine's tokens are
 compared with the first engine's at budget 0: graphs that compute the same function in another order can
 flip a greedy near-tie, so differing requests are counted and reported (not an error); within one engine
 every budget must give budget 0's tokens (lossless), or the bench stops. Counted at the first repeat, over
