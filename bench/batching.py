@@ -117,6 +117,14 @@ def closed_loop(
     }
 
 
+def require_lossless(outputs: dict[int, list[int]], reference: dict[int, list[int]], what: str) -> None:
+    """Stop the bench unless every request's tokens equal AR's (`reference`): speculation is lossless, so a
+    difference is a bug, whatever the timings say. `what` names the run in the message."""
+    if outputs != reference:
+        bad = [i for i in outputs if outputs[i] != reference[i]]
+        raise SystemExit(f"{what}: requests {bad} differ from AR")
+
+
 def run_order(configs: Sequence[str], rep: int) -> list[str]:
     """The order repeat `rep` runs `configs` in: starting at configuration `rep` (mod their count) and going
     round, so over as many repeats as configurations each one runs once in every position."""
@@ -227,11 +235,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"tau {level['tau']:.2f}, budgets {level['budgets_played']}",
                     flush=True,
                 )
-            reference = outputs_of["0"]
             for budget, outputs in outputs_of.items():
-                if outputs != reference:
-                    bad = [i for i in outputs if outputs[i] != reference[i]]
-                    raise SystemExit(f"budget {budget}, batch {B}: requests {bad} differ from AR")
+                require_lossless(outputs, outputs_of["0"], f"budget {budget}, batch {B}")
     table: dict[str, dict[str, dict]] = {}
     for budget in args.budgets:
         table[budget] = {}

@@ -31,7 +31,7 @@ if str(REPO) not in sys.path:  # `python bench/engine_ab.py` from anywhere
     sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from batching import closed_loop, run_order  # noqa: E402  (bench/batching.py: the closed loop)
+from batching import closed_loop, require_lossless, run_order  # noqa: E402  (bench/batching.py)
 from budget_auto import read_prompts  # noqa: E402  (bench/budget_auto.py: the shared prompt reader)
 
 from jetflow_pl.decoding import SpeculativeGenerator  # noqa: E402
@@ -85,9 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     outputs = level.pop("_outputs")
                     if budget == 0:
                         reference[name] = outputs
-                    elif outputs != reference[name]:
-                        bad = [i for i in outputs if outputs[i] != reference[name][i]]
-                        raise SystemExit(f"{name}, budget {budget}, batch {B}: requests {bad} differ from AR")
+                    else:
+                        require_lossless(outputs, reference[name], f"{name}, budget {budget}, batch {B}")
                     runs[name][B][budget].append(level["tokens_per_s"])
                     print(
                         f"rep {rep} B={B} budget {budget} {name}: {level['tokens_per_s']:.1f} tok/s",

@@ -63,6 +63,18 @@ def test_run_order_puts_every_configuration_once_in_every_position(monkeypatch):
     assert orders[4:] == orders[:4] and orders[1] == ["4", "16", "auto", "0"]
 
 
+def test_require_lossless_names_the_requests_that_differ_from_ar(monkeypatch):
+    """The benches' one lossless check (batching, engine_ab, round_patterns): equal tokens pass, and a run
+    whose request 1 differs stops the bench naming that request and the run."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    from batching import require_lossless
+
+    ar = {0: [5, 6], 1: [7, 8]}
+    require_lossless({0: [5, 6], 1: [7, 8]}, ar, "budget 4, batch 2")
+    with pytest.raises(SystemExit, match=r"budget 4, batch 2: requests \[1\] differ from AR"):
+        require_lossless({0: [5, 6], 1: [7, 9]}, ar, "budget 4, batch 2")
+
+
 def test_closed_loop_has_no_steady_part_when_every_request_fits_the_first_batch(monkeypatch):
     """All requests in the first batch: the loop is ramp and drain only, so no steady throughput is
     claimed; AR keeps both requests in every round (equal lengths, no EOS this early: occupancy 2)."""
