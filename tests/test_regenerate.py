@@ -444,10 +444,10 @@ def test_on_error_skip_counts_failed_samples_and_a_rerun_retries_them(
     )
     real = m._generate
 
-    def flaky(batch):
-        if "math-heldout-0-1" in batch["ids"]:
+    def flaky(sample_ids, prompts):
+        if "math-heldout-0-1" in sample_ids:
             raise RuntimeError("simulated failure")
-        return real(batch)
+        return real(sample_ids, prompts)
 
     m._generate = flaky
     out = tmp_path / "out"

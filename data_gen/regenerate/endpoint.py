@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 import lightning as L
 
+from data_gen.regenerate.conversation import answer_turns, transcript_records
 from data_gen.regenerate.endpoint_client import (
     Completion,
     CompletionClient,
@@ -43,7 +44,7 @@ from data_gen.regenerate.endpoint_client import (
     RequestFailed,
     RetryPolicy,
 )
-from data_gen.regenerate.module import collect_stop_ids, response_records, sample_seed
+from data_gen.regenerate.module import collect_stop_ids, sample_seed
 from data_gen.regenerate.writer import RegenerationWriter, atomic_write_bytes
 from jetflow_pl.errors import UserInputError
 
@@ -278,43 +279,52 @@ class EndpointRegenerationModule(L.LightningModule):
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
-    def predict_step(self, batch: dict, batch_idx: int = 0, dataloader_idx: int = 0) -> dict:
-        """`{"records": [...], "failed": [{"id", "error"}], "new_tokens": int, "seconds": float}`, as
-        `RegenerationModule.predict_step`."""
-        t0 = time.perf_counter()
+    def _turn(self, batch: dict, rows: list[int], prompts: list[list[int]]) -> list:
+        """One turn of the conversations at `rows`: their requests in flight together; per row the
+        `(response ids, finish reason)` or, with `on_error: skip`, the `RequestFailed` it ended with."""
         pool = self._executor()
-        futures = [
-            pool.submit(self._request, sid, p)
-            for sid, p in zip(batch["ids"], batch["prompt_ids"], strict=True)
-        ]
-        rows, tokens, reasons, failed = [], [], [], []
-        for r, fut in enumerate(futures):
+        futures = [pool.submit(self._request, batch["ids"][r], p) for r, p in zip(rows, prompts, strict=True)]
+        results: list = []
+        for fut, prompt in zip(futures, prompts, strict=True):
             try:  # the answers are read here, on one thread (a tokenizer is not safe to share)
-                toks, why = response_tokens(
-                    fut.result(),
-                    batch["prompt_ids"][r],
-                    self.stop_ids,
-                    self.max_new_tokens,
-                    self.hparams.response_ids,
-                    self.tokenizer,
+                results.append(
+                    response_tokens(
+                        fut.result(),
+                        prompt,
+                        self.stop_ids,
+                        self.max_new_tokens,
+                        self.hparams.response_ids,
+                        self.tokenizer,
+                    )
                 )
             except RequestFailed as err:
                 if self.hparams.on_error == "raise":
                     self._abort(futures)
                     raise
-                failed.append({"id": batch["ids"][r], "error": str(err)})
-                continue
+                results.append(err)
             except BaseException:
                 self._abort(futures)
                 raise
-            rows.append(r)
-            tokens.append(toks)
-            reasons.append(why)
-        records = response_records(self.tokenizer, batch, rows, tokens, reasons)
+        return results
+
+    def predict_step(self, batch: dict, batch_idx: int = 0, dataloader_idx: int = 0) -> dict:
+        """`{"records": [...], "failed": [{"id", "error"}], "new_tokens": int, "seconds": float}`, as
+        `RegenerationModule.predict_step` (every turn of a conversation answered, `conversation.py`)."""
+        t0 = time.perf_counter()
+        done, failed_rows = answer_turns(
+            batch,
+            range(len(batch["ids"])),
+            lambda rows, prompts: self._turn(batch, rows, prompts),
+            self.tokenizer,
+            self.stop_ids,
+            self.max_new_tokens,
+        )
+        records = transcript_records(self.tokenizer, batch, done)
+        failed = [{"id": batch["ids"][r], "error": str(err)} for r, err in sorted(failed_rows.items())]
         return {
             "records": records,
             "failed": failed,
-            "new_tokens": sum(len(t) for t in tokens),
+            "new_tokens": sum(sum(r["loss_mask"]) for r in records),
             "seconds": time.perf_counter() - t0,
         }
 

@@ -19,6 +19,8 @@ from typing import Literal
 import lightning as L
 import torch
 
+from data_gen.regenerate.conversation import answer_turns, transcript_records
+from data_gen.regenerate.prompts import pad_id_of, pad_left
 from jetflow_pl.checkpoints import load_draft_head
 from jetflow_pl.decoding import SamplingConfig, SpeculativeGenerator, processed_probs
 from jetflow_pl.errors import UserInputError
@@ -116,26 +118,6 @@ def collect_stop_ids(
     return sorted(ids)
 
 
-def response_records(tokenizer, batch: dict, rows: Sequence[int], tokens, reasons) -> list[dict]:
-    """The records `predict_step` returns (what `RegenerationWriter` turns into rows) for batch `rows`,
-    given each row's response ids (stop token included) and finish reason ("eos" / "length")."""
-    out = []
-    for r, toks, why in zip(rows, tokens, reasons, strict=True):
-        out.append(
-            {
-                "id": batch["ids"][r],
-                "domain": batch["domains"][r],
-                "prompt_ids": batch["prompt_ids"][r],
-                "response_ids": toks,
-                "loss_mask": [0] * len(batch["prompt_ids"][r]) + [1] * len(toks),
-                "text": tokenizer.decode(toks, skip_special_tokens=True),
-                "finish_reason": why,
-                "truncated": bool(batch["truncated"][r]),
-            }
-        )
-    return out
-
-
 class RegenerationModule(L.LightningModule):
     """Frozen target + generation settings; `predict_step` returns one record per sample.
 
@@ -201,6 +183,7 @@ class RegenerationModule(L.LightningModule):
                 self.head.check_compatible(self.target.config)
             except ValueError as err:
                 raise UserInputError(f"head_path {head_path}: {err}") from err
+        self.pad_id = pad_id_of(self.tokenizer)
         self.target_passes = 0
 
     def _stop_ids(self, extra: list[int] | None) -> list[int]:
@@ -232,17 +215,22 @@ class RegenerationModule(L.LightningModule):
             return None
         return [torch.Generator().manual_seed(sample_seed(self.hparams.seed, i)) for i in ids]
 
-    def _generate(self, batch: dict) -> tuple[list[list[int]], list[str]]:
+    def _generate(
+        self, sample_ids: Sequence[str], prompts: Sequence[Sequence[int]]
+    ) -> tuple[list[list[int]], list[str]]:
+        """Each prompt's response ids (stop token included) and finish reason: one batched AR call, or the
+        speculative decoder one prompt at a time (`head_path`)."""
         if self.head is None:
+            ids, mask = pad_left(prompts, self.pad_id)
             self.target_passes += 1  # prefill; decode steps are counted below
             tokens, reasons = batched_generate(
                 self.target,
-                batch["input_ids"],
-                batch["attention_mask"],
+                ids,
+                mask,
                 self.max_new_tokens,
                 self.stop_ids,
                 self.sampling,
-                self._generators(batch["ids"]),
+                self._generators(sample_ids),
             )
             self.target_passes += max((len(t) for t in tokens), default=1) - 1
             return tokens, reasons
@@ -255,21 +243,30 @@ class RegenerationModule(L.LightningModule):
             eos_token_id=self.stop_ids,
         )
         tokens, reasons = [], []
-        for sid, prompt in zip(batch["ids"], batch["prompt_ids"], strict=True):
+        for sid, prompt in zip(sample_ids, prompts, strict=True):
             cfg = SamplingConfig(
                 temperature=self.sampling.temperature,
                 top_k=self.sampling.top_k,
                 top_p=self.sampling.top_p,
                 seed=sample_seed(self.hparams.seed, sid),
             )
-            res = gen.generate(prompt, self.max_new_tokens, cfg)
+            res = gen.generate(list(prompt), self.max_new_tokens, cfg)
             self.target_passes += 1 + res.num_rounds
             tokens.append(list(res.tokens))
             reasons.append(res.finish_reason)
         return tokens, reasons
 
-    def _records(self, batch: dict, rows: Sequence[int], tokens, reasons) -> list[dict]:
-        return response_records(self.tokenizer, batch, rows, tokens, reasons)
+    def _answer(self, batch: dict, rows: Sequence[int]) -> list[dict]:
+        """The records of the conversations at batch `rows`, every turn answered (`conversation.py`);
+        an exception in any turn propagates."""
+
+        def generate(active: list[int], prompts: list[list[int]]):
+            tokens, reasons = self._generate([batch["ids"][r] for r in active], prompts)
+            return list(zip(tokens, reasons, strict=True))
+
+        done, failed = answer_turns(batch, rows, generate, self.tokenizer, self.stop_ids, self.max_new_tokens)
+        assert not failed, "the in-process generate raises instead of returning failures"
+        return transcript_records(self.tokenizer, batch, done)
 
     def predict_step(self, batch: dict, batch_idx: int = 0, dataloader_idx: int = 0) -> dict:
         """`{"records": [...], "failed": [{"id", "error"}], "new_tokens": int, "seconds": float}`."""
@@ -277,28 +274,20 @@ class RegenerationModule(L.LightningModule):
         n = len(batch["ids"])
         failed: list[dict] = []
         try:
-            tokens, reasons = self._generate(batch)
-            records = self._records(batch, range(n), tokens, reasons)
+            records = self._answer(batch, range(n))
         except Exception:
             if self.hparams.on_error == "raise":
                 raise
             records = []
-            for r in range(n):
-                one = {
-                    k: (v[r : r + 1] if isinstance(v, (list, torch.Tensor)) else v) for k, v in batch.items()
-                }
-                width = int(one["attention_mask"].sum())
-                one["input_ids"] = one["input_ids"][:, -width:]
-                one["attention_mask"] = one["attention_mask"][:, -width:]
+            for r in range(n):  # one conversation at a time: only the ones that still fail are lost
                 try:
-                    tokens, reasons = self._generate(one)
-                    records += self._records(one, [0], tokens, reasons)
+                    records += self._answer(batch, [r])
                 except Exception as err_one:  # noqa: BLE001 - reported per sample, run goes on
                     failed.append({"id": batch["ids"][r], "error": f"{type(err_one).__name__}: {err_one}"})
         return {
             "records": records,
             "failed": failed,
-            "new_tokens": sum(len(r["response_ids"]) for r in records),
+            "new_tokens": sum(sum(r["loss_mask"]) for r in records),
             "seconds": time.perf_counter() - t0,
         }
 

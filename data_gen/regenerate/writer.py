@@ -143,7 +143,14 @@ class RegenerationWriter(BasePredictionWriter):
         self._seq = 0
         self._rank = 0
         self._failed_run = False
-        self.counts = {"written": 0, "truncated": 0, "failed": 0, "new_tokens": 0}
+        self.counts = {
+            "written": 0,
+            "truncated": 0,
+            "failed": 0,
+            "new_tokens": 0,
+            "turns": 0,
+            "cut_by_context": 0,
+        }
         self._t0 = 0.0
         self.summary: dict | None = None
 
@@ -246,9 +253,12 @@ class RegenerationWriter(BasePredictionWriter):
                     rec["response_ids"],
                     rec["text"],
                     rec["finish_reason"],
+                    rec.get("loss_mask"),
                 )
             )
             self.counts["truncated"] += int(rec["truncated"])
+            self.counts["turns"] += int(rec.get("turns", 1))
+            self.counts["cut_by_context"] += int(bool(rec.get("cut_by_context", False)))
         self.counts["failed"] += len(prediction["failed"])
         self.counts["new_tokens"] += int(prediction["new_tokens"])
         if prediction["failed"]:
@@ -342,7 +352,11 @@ class RegenerationWriter(BasePredictionWriter):
             "tokens_per_s": round(counts["new_tokens"] / seconds, 2) if seconds > 0 else 0.0,
             "dataset_rows": rows,
             "dataset": str(self.out / "dataset") if self.merge else None,
+            "turns": counts["turns"],
+            "conversations_cut_by_context": counts["cut_by_context"],
         }
+        if stats is not None and "source" in stats.extra:
+            summary["source"] = stats.extra["source"]
         atomic_write_bytes(self.out / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
         self.summary = summary
         print(
@@ -353,6 +367,12 @@ class RegenerationWriter(BasePredictionWriter):
             f"{self.out / 'dataset'}",
             flush=True,
         )
+        if counts["turns"] > counts["written"] or counts["cut_by_context"]:
+            print(
+                f"regenerate: {counts['turns']} turns answered in {counts['written']} conversations; "
+                f"{counts['cut_by_context']} ended early because the next turn would not fit the context cap",
+                flush=True,
+            )
 
 
 class RegenerationProgressBar(TQDMProgressBar):

@@ -98,9 +98,10 @@ class AcceptanceLengthCallback(Callback):
 
     The prompts come from a file, so any tokenizer works (the target's own, with its chat template):
     `prompts_file` is a `.jsonl` / `.json` / `.parquet` / `.arrow` / `.csv` file or a `datasets` folder
-    whose rows carry `prompt_field` (a string) or `messages_field` (a chat); each is chat-formatted with
-    the target tokenizer (`jetflow_pl.chat`), or tokenized raw with `chat_template: false`. The toy
-    held-out sets ship as `data_gen/toy/assets/heldout_prompts/<domain>.jsonl`.
+    whose rows carry `prompt_field` (a string) or `messages_field` (a chat), or a named prompt set
+    (`jetflow_pl.prompt_sets`, e.g. `sharegpt:val:8`: each conversation's first turn); each is
+    chat-formatted with the target tokenizer (`jetflow_pl.chat`), or tokenized raw with
+    `chat_template: false`. The toy held-out sets ship as `data_gen/toy/assets/heldout_prompts/<domain>.jsonl`.
 
     Tau vs budget: `budgets: [16, 64, 256]` decodes the prompts once per listed budget and logs
     `val/tau@16`, `val/tau@64`, `val/tau@256` (each a real decode at that budget, see the module doc), so
@@ -210,10 +211,10 @@ class AcceptanceLengthCallback(Callback):
             return self._prompts
         from transformers import AutoTokenizer
 
-        from jetflow_pl.chat import encode_prompt, row_messages
-        from jetflow_pl.prompt_files import load_local_rows
+        from jetflow_pl.chat import encode_prompt, row_conversation
+        from jetflow_pl.prompt_sets import load_prompt_rows
 
-        rows = load_local_rows(self.prompts_file, self.split)[: self.num_prompts]
+        rows = load_prompt_rows(self.prompts_file, self.split)[0][: self.num_prompts]
         if not rows:
             raise UserInputError(f"AcceptanceLengthCallback: prompts_file {self.prompts_file} holds no rows")
         path = self.tokenizer_path or pl_module.hparams.target_path
@@ -226,7 +227,7 @@ class AcceptanceLengthCallback(Callback):
         prompts = []
         for i, row in enumerate(rows):
             where = f"{self.prompts_file} row {i}"
-            msgs = row_messages(row, where, self.prompt_field, self.messages_field)
+            msgs = row_conversation(row, where, self.prompt_field, self.messages_field)[0]
             if self.chat_template:
                 prompts.append(encode_prompt(tok, msgs, chat=True))
             elif len(msgs) == 1:
