@@ -45,6 +45,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -180,6 +181,23 @@ def regeneration_config(config_path: str | Path, output_dir: Path, overrides: di
     return cfg
 
 
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGKILL it when the parent dies. The regeneration child ignores
+    SIGTERM while Lightning runs, so a parent stopped from outside used to leave it writing on alone (and
+    a rerun then raced it in the same staging folder). Killing it is safe: shards are written atomically
+    and a rerun resumes (tests/test_regenerate.py, the SIGKILL test)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
+
+
+def run_tied_to_parent(cmd: list[str]) -> int:
+    """`subprocess.run(cmd)`'s return code, the child killed if this process dies first (on Linux)."""
+    preexec = _die_with_parent if sys.platform.startswith("linux") else None
+    return subprocess.run(cmd, check=False, preexec_fn=preexec).returncode
+
+
 def regenerate_dataset(
     config_path: str | Path, dataset_path: str | Path, overrides: dict[str, Any] | None = None
 ) -> Path:
@@ -203,7 +221,7 @@ def regenerate_dataset(
         f"[DistillDataModule] {str(dest)!r} does not exist: regenerating it with the target first\n"
         f"  {' '.join(cmd)}   (from {config_path}; output renamed to {dest} when complete)"
     )
-    rc = subprocess.run(cmd, check=False).returncode
+    rc = run_tied_to_parent(cmd)
     if rc != 0:
         msg = (
             f"regenerating {str(dest)!r} failed: `{' '.join(cmd)}` exited with status {rc} (its output is "
