@@ -53,9 +53,9 @@ sys.path.insert(0, str(REPO / "bench"))
 from budget_auto import read_prompts  # noqa: E402  (bench/budget_auto.py: the shared prompt reader)
 from load_plot import budget_label, plot_load  # noqa: E402  (bench/load_plot.py)
 
+from jetflow_pl.decode_options import acceptance_prior, load_tokenizer  # noqa: E402
 from jetflow_pl.decoding import SpeculativeGenerator  # noqa: E402
 from jetflow_pl.decoding.budget import ACCEPTANCE_PROFILE_FILE, AutoBudget  # noqa: E402
-from jetflow_pl.generate_cli import _acceptance_prior, _load_tokenizer  # noqa: E402
 from jetflow_pl.head import DraftHead  # noqa: E402
 from jetflow_pl.runtime.ort_backend import OnnxRuntimeBackend  # noqa: E402
 from jetflow_pl.runtime.torch_backend import TorchBackend  # noqa: E402
@@ -175,17 +175,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    prior = _acceptance_prior(args)  # as jetflow-generate resolves it (explicit, else beside the head)
+    prior = acceptance_prior(args)  # as jetflow-generate resolves it (explicit, else beside the head)
     if args.backend == "torch":
         head = DraftHead.from_pretrained(str(args.head)).eval()
         target = TargetModel.from_pretrained(args.target, head.config.target_layer_ids)
-        tokenizer = _load_tokenizer(args.target)
+        tokenizer = load_tokenizer(args.target)
         model_name = args.target.name
 
         def make_backend(batch: int):
             return TorchBackend(target, head, max_batch=batch)
     else:
-        tokenizer = _load_tokenizer(args.engine_dir / "tokenizer")
+        tokenizer = load_tokenizer(args.engine_dir / "tokenizer")
         model_name = f"{args.engine_dir.name} (onnxruntime)"
 
         def make_backend(batch: int):

@@ -44,6 +44,7 @@ if str(REPO) not in sys.path:  # `python bench/budget_auto.py` from anywhere
 import decode as dec  # noqa: E402  (bench/decode.py: the shared metric helpers)
 
 from jetflow_pl.chat import encode_prompt, row_messages  # noqa: E402
+from jetflow_pl.decode_options import load_backends, load_head_or_untrained  # noqa: E402
 from jetflow_pl.decoding import ARGenerator, GenerationResult, SpeculativeGenerator  # noqa: E402
 from jetflow_pl.decoding.budget import (  # noqa: E402
     ACCEPTANCE_PROFILE_FILE,
@@ -52,7 +53,7 @@ from jetflow_pl.decoding.budget import (  # noqa: E402
     AutoBudget,
 )
 from jetflow_pl.decoding.cost_profile import CostProfile, cost_profile_for  # noqa: E402
-from jetflow_pl.generate_cli import _backends, _hf_decode_tokens_per_s, load_head_or_untrained  # noqa: E402
+from jetflow_pl.generate_cli import hf_decode_tokens_per_s  # noqa: E402
 from jetflow_pl.prompt_files import load_local_rows  # noqa: E402
 from jetflow_pl.runtime.loader import BACKEND_KINDS  # noqa: E402
 
@@ -149,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         device="cpu",
         threads=args.threads,
     )
-    backend, ar_backend = _backends(ns, target, head)  # the generate CLI's: AR on the same backend kind
+    backend, ar_backend = load_backends(ns, target, head)  # the generate CLI's: AR on the same backend kind
 
     t0 = time.perf_counter()
     cost: CostProfile = cost_profile_for(backend, args.cost_profile)
@@ -208,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             )
             ar_r.append(ar.generate(ids, args.max_new_tokens))
             if not args.skip_hf:
-                out, tps = _hf_decode_tokens_per_s(target.model, ids, args.max_new_tokens, eos)
+                out, tps = hf_decode_tokens_per_s(target.model, ids, args.max_new_tokens, eos)
                 hf_r[0].append(out)
                 hf_r[1].append((len(out) - 1) / tps if tps > 0 else 0.0)
             for name, g in gens.items():

@@ -32,9 +32,9 @@ if str(REPO) not in sys.path:  # `python bench/decode.py` from anywhere
 
 from data_gen.toy.splits import DOMAINS, heldout_prompts  # noqa: E402
 from data_gen.toy.tokenizer import prompt_ids  # noqa: E402
+from jetflow_pl.decode_options import load_head_or_untrained  # noqa: E402
 from jetflow_pl.decoding import ARGenerator, GenerationResult, SpeculativeGenerator  # noqa: E402
 from jetflow_pl.decoding.budget import FixedBudget  # noqa: E402
-from jetflow_pl.generate_cli import load_head_or_untrained  # noqa: E402
 from jetflow_pl.runtime.loader import BACKEND_KINDS, load_backend  # noqa: E402
 from jetflow_pl.target import TargetModel  # noqa: E402
 from jetflow_pl.tree import DraftTree  # noqa: E402

@@ -34,8 +34,8 @@ sys.path.insert(0, str(REPO / "bench"))
 from batching import closed_loop, require_lossless, run_order  # noqa: E402  (bench/batching.py)
 from budget_auto import read_prompts  # noqa: E402  (bench/budget_auto.py: the shared prompt reader)
 
+from jetflow_pl.decode_options import load_tokenizer  # noqa: E402
 from jetflow_pl.decoding import SpeculativeGenerator  # noqa: E402
-from jetflow_pl.generate_cli import _load_tokenizer  # noqa: E402
 from jetflow_pl.runtime.ort_backend import OnnxRuntimeBackend  # noqa: E402
 
 DEFAULT_PROMPTS = REPO / "bench/prompts/heldout_eval_math.jsonl"
@@ -62,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--engine-dirs must be distinct (copy a directory to compare it with itself)")
     if 0 not in args.budgets:
         args.budgets = [0, *args.budgets]  # the lossless reference of every engine
-    tokenizer = _load_tokenizer(args.engine_dirs[0] / "tokenizer")
+    tokenizer = load_tokenizer(args.engine_dirs[0] / "tokenizer")
     prompts = read_prompts(args.prompts, tokenizer, args.n_prompts, True)
     names = [str(d) for d in args.engine_dirs]
     dirs = dict(zip(names, args.engine_dirs, strict=True))

@@ -42,8 +42,8 @@ sys.path.insert(0, str(REPO / "bench"))
 from batching import require_lossless, run_order  # noqa: E402  (bench/batching.py)
 from budget_auto import read_prompts  # noqa: E402  (bench/budget_auto.py: the shared prompt reader)
 
+from jetflow_pl.decode_options import load_tokenizer  # noqa: E402
 from jetflow_pl.decoding import SpeculativeGenerator  # noqa: E402
-from jetflow_pl.generate_cli import _load_tokenizer  # noqa: E402
 from jetflow_pl.head import DraftHead  # noqa: E402
 from jetflow_pl.runtime.torch_backend import TorchBackend  # noqa: E402
 from jetflow_pl.target import TargetModel  # noqa: E402
@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     head = DraftHead.from_pretrained(str(args.head)).eval()
     target = TargetModel.from_pretrained(args.target, head.config.target_layer_ids)
-    tokenizer = _load_tokenizer(args.target)
+    tokenizer = load_tokenizer(args.target)
     prompts = read_prompts(args.prompts, tokenizer, args.n_prompts, True)
     runs: dict[str, list[dict]] = {name: [] for name in args.patterns}
     reference: dict[int, list[int]] | None = None  # the first repeat's `ar` tokens: every run must match

@@ -53,7 +53,7 @@ from data_gen.toy import SMALL_HEAD_DIR, SMALL_TARGET_DIR, code_corpus  # noqa: 
 from data_gen.toy.tokenizer import prompt_ids  # noqa: E402
 from jetflow_pl.checkpoints import load_draft_head  # noqa: E402
 from jetflow_pl.decoding import ARGenerator, SpeculativeGenerator  # noqa: E402
-from jetflow_pl.generate_cli import _hf_decode_tokens_per_s  # noqa: E402
+from jetflow_pl.generate_cli import hf_decode_tokens_per_s  # noqa: E402
 from jetflow_pl.runtime.torch_backend import TorchBackend  # noqa: E402
 from jetflow_pl.tree import DraftTree, build_tree  # noqa: E402
 
@@ -163,7 +163,7 @@ def hf_one(model, ids: list[int], max_new: int, eos) -> tuple[list[int], int, fl
 
     The decode time is the full call minus a 1-token call (its prefill), the same rule as
     `jetflow generate --compare`, so both sides exclude the prefill."""
-    out, tps = _hf_decode_tokens_per_s(model, ids, max_new, eos)
+    out, tps = hf_decode_tokens_per_s(model, ids, max_new, eos)
     if tps <= 0:
         return out, 0, 0.0
     return out, len(out) - 1, (len(out) - 1) / tps

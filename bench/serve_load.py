@@ -247,10 +247,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from budget_auto import read_prompts  # bench/budget_auto.py: the prompt files of the other benches
 
-    from jetflow_pl.generate_cli import _load_tokenizer
+    from jetflow_pl.decode_options import load_tokenizer
 
     tok_dir = args.target if args.engine_dir is None else args.engine_dir / "tokenizer"
-    prompts = read_prompts(args.prompts, _load_tokenizer(tok_dir), args.n_prompts, not args.no_chat_template)
+    prompts = read_prompts(args.prompts, load_tokenizer(tok_dir), args.n_prompts, not args.no_chat_template)
     results: dict = {
         "command": shlex.join(
             ["python", "bench/serve_load.py", *(argv if argv is not None else sys.argv[1:])]

@@ -24,69 +24,23 @@ from pathlib import Path
 import torch
 
 from jetflow_pl.chat import encode_prompt
-from jetflow_pl.checkpoints import load_draft_head
+from jetflow_pl.decode_options import (
+    add_threads_argument,
+    budget_policy,
+    check_device,
+    float_in,
+    int_at_least,
+    load_backends,
+    load_head_or_untrained,
+    load_tokenizer,
+    parse_budget,
+)
 from jetflow_pl.decoding import ARGenerator, SamplingConfig, SpeculativeGenerator
-from jetflow_pl.decoding.budget import ACCEPTANCE_PROFILE_FILE, AcceptanceProfile, AutoBudget
+from jetflow_pl.decoding.budget import ACCEPTANCE_PROFILE_FILE, AutoBudget
 from jetflow_pl.errors import MissingPathError, NumericalError, UserInputError
-from jetflow_pl.head import DraftHead, DraftHeadConfig
-from jetflow_pl.runtime.loader import BACKEND_KINDS, ENGINE_KINDS, load_backend, resolve_kind
+from jetflow_pl.runtime.loader import BACKEND_KINDS
 from jetflow_pl.target import TargetModel
 from jetflow_pl.tree import Top2GapCap
-
-
-def _int_at_least(lo: int):
-    """An argparse type: an int >= lo, so `--budget -1` fails at parse time naming the flag."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
-        return value
-
-    return parse
-
-
-def add_threads_argument(p: argparse.ArgumentParser) -> None:
-    """`--threads N` (generate and serve): torch's threads and ONNX Runtime's intra-op pool, which keeps
-    its own size whatever torch's is; `_backends` / the server pass it to `load_backend`."""
-    p.add_argument(
-        "--threads",
-        type=_int_at_least(1),
-        default=None,
-        help="CPU threads: torch's and ONNX Runtime's intra-op pool (default: each one's own; on a small "
-        "CPU one ORT thread can make tree rounds cheaper, docs/DISTILLATION.md)",
-    )
-
-
-def _budget(text: str) -> int | str:
-    """An argparse type: `auto` or an int >= 0 (the messages name the flag, as `_int_at_least`'s do)."""
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r} (or 'auto')") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _float_in(lo: float, hi: float, lo_open: bool = False):
-    """An argparse type: a float in [lo, hi] ((lo, hi] with lo_open)."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not (lo < value if lo_open else lo <= value) or not value <= hi:
-            raise argparse.ArgumentTypeError(f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}")
-        return value
-
-    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-chat-template", action="store_true", help="feed prompts raw, without the template")
     p.add_argument(
         "--budget",
-        type=_budget,
+        type=parse_budget,
         default="auto",
         help="draft tokens per tree (root excluded); 0 = AR; auto (default) = per round, from this "
         "machine's cost profile and the head's acceptance, AR where drafting cannot pay",
@@ -122,17 +76,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the acceptance measured in this run (every ladder budget <= the ones played) as a "
         f"profile, e.g. HEAD/{ACCEPTANCE_PROFILE_FILE} after a run with a large fixed --budget",
     )
-    p.add_argument("--width", type=_int_at_least(1), default=4, help="children per expanded node")
+    p.add_argument("--width", type=int_at_least(1), default=4, help="children per expanded node")
     p.add_argument(
         "--gap-cap",
-        type=_float_in(0.0, float("inf")),
+        type=float_in(0.0, float("inf")),
         default=None,
         help="one child where top1-top2 logprob gap > this",
     )
-    p.add_argument("--max-new-tokens", type=_int_at_least(0), default=128)
-    p.add_argument("--temperature", type=_float_in(0.0, float("inf")), default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=_int_at_least(0), default=0)
-    p.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), default=1.0)
+    p.add_argument("--max-new-tokens", type=int_at_least(0), default=128)
+    p.add_argument("--temperature", type=float_in(0.0, float("inf")), default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int_at_least(0), default=0)
+    p.add_argument("--top-p", type=float_in(0.0, 1.0, lo_open=True), default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default="cpu")
     add_threads_argument(p)
@@ -152,24 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_head_or_untrained(head_dir: Path | None, target: TargetModel, tokenizer) -> DraftHead:
-    """The head saved in `head_dir`, or (None) a seeded random head fitted to `target` whose mask id is
-    the tokenizer's mask token. The mask id of a saved head is its config's (`dflash_config`).
-
-    A random head drafts badly but decoding stays exact: it shows the loop's floor, not the method.
-    """
-    if head_dir is not None:
-        return load_draft_head(head_dir)
-    mask = getattr(tokenizer, "mask_token_id", None)
-    if mask is None:
-        raise UserInputError(
-            "no --head given and the tokenizer defines no mask token for an untrained head: pass --head DIR"
-        )
-    torch.manual_seed(0)
-    return DraftHead(DraftHeadConfig.for_target(target.config, mask_token_id=int(mask)))
-
-
-def _hf_decode_tokens_per_s(model, ids: list[int], max_new: int, eos) -> tuple[list[int], float]:
+def hf_decode_tokens_per_s(model, ids: list[int], max_new: int, eos) -> tuple[list[int], float]:
     """HF greedy generate(); decode time = full call minus a 1-token call (its prefill)."""
     x = torch.tensor([ids], device=model.device)
     kw = {"do_sample": False, "eos_token_id": eos, "pad_token_id": eos if eos is not None else 0}
@@ -197,81 +134,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-def _load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as err:
-        raise UserInputError(f"cannot load a tokenizer from {path}: {type(err).__name__}: {err}") from err
-
-
-def _check_device(name: str) -> None:
-    """Refuse a device this machine lacks before minutes of model loading, not after."""
-    try:
-        device = torch.device(name)
-    except RuntimeError as err:
-        raise UserInputError(f"--device {name!r} is not a torch device ({err})") from err
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserInputError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
-
-
-def _backends(args: argparse.Namespace, target: TargetModel, head: DraftHead):
-    """(speculative backend, AR backend) of `--backend`: AR runs on the same kind of backend, so speedups
-    compare like with like (docs/DESIGN.md section 4); on torch the AR backend has no head (no taps)."""
-    kind = resolve_kind(args.backend)
-    if kind in ENGINE_KINDS and args.engine_dir is None:
-        raise UserInputError(f"--backend {args.backend} needs --engine-dir DIR (written by jetflow-export)")
-    backend = load_backend(
-        kind,
-        target=target,
-        head=head,
-        engine_dir=args.engine_dir,
-        device=args.device,
-        topk=max(8, args.width),
-        intra_op_threads=getattr(args, "threads", None),
-    )
-    try:
-        backend.check_width(args.width)
-    except ValueError as err:
-        raise UserInputError(str(err)) from err
-    return backend, load_backend("torch", target=target) if kind == "torch" else backend
-
-
-def _acceptance_prior(args: argparse.Namespace) -> AcceptanceProfile | None:
-    """`--acceptance-profile`, else the profile saved beside the head, else the one in the engine
-    directory (`jetflow-export` copies the head's); a width it was not measured at is refused when given
-    explicitly and ignored (with a note) when found."""
-    path, explicit = args.acceptance_profile, True
-    for folder in (args.head, getattr(args, "engine_dir", None)):
-        if path is None and folder is not None and (Path(folder) / ACCEPTANCE_PROFILE_FILE).is_file():
-            path, explicit = Path(folder) / ACCEPTANCE_PROFILE_FILE, False
-    if path is None:
-        return None
-    prior = AcceptanceProfile.load(path)
-    if prior.width != args.width:
-        if explicit:
-            raise UserInputError(
-                f"acceptance profile {path} was measured at --width {prior.width}, not {args.width}"
-            )
-        print(f"note: ignoring {path} (measured at --width {prior.width}, not {args.width})", file=sys.stderr)
-        return None
-    return prior
-
-
-def _budget_policy(args: argparse.Namespace) -> int | AutoBudget:
-    if args.budget != "auto":
-        return args.budget
-    return AutoBudget(prior=_acceptance_prior(args), cost_profile_path=args.cost_profile)
-
-
 def _budget_counts(budgets: Sequence[int]) -> str:
     """`16x30 0x2`: budget x rounds, most played first."""
     return " ".join(f"{k}x{n}" for k, n in Counter(budgets).most_common())
 
 
 def _run(args: argparse.Namespace) -> int:
-    _check_device(args.device)
+    check_device(args.device)
     prompts = list(args.prompt)
     if args.prompts_file is not None:
         if not args.prompts_file.is_file():
@@ -281,7 +150,7 @@ def _run(args: argparse.Namespace) -> int:
         print("jetflow-generate: give at least one --prompt or --prompts-file", file=sys.stderr)
         return 2
     target = TargetModel.from_pretrained(args.target, device=args.device)
-    tokenizer = _load_tokenizer(args.target)
+    tokenizer = load_tokenizer(args.target)
     target.check_tokenizer(tokenizer)
     if args.head is None:
         print("note: no --head given; drafting with an untrained (random) head", file=sys.stderr)
@@ -294,8 +163,8 @@ def _run(args: argparse.Namespace) -> int:
     eos = tokenizer.eos_token_id
     policy = Top2GapCap(args.gap_cap) if args.gap_cap is not None else None
     encoded = [encode_prompt(tokenizer, text, chat=not args.no_chat_template) for text in prompts]
-    budget = _budget_policy(args)
-    backend, ar_backend = _backends(args, target, head)
+    budget = budget_policy(args)
+    backend, ar_backend = load_backends(args, target, head)
     spec = SpeculativeGenerator(backend, budget, args.width, policy, eos)
     ar = ARGenerator(ar_backend, eos) if args.compare else None
 
@@ -324,7 +193,7 @@ def _run(args: argparse.Namespace) -> int:
             line += f" | predicted x{row['predicted_speedup_vs_ar']:.2f} vs AR"
         if ar is not None:
             ar_res = ar.generate(ids, args.max_new_tokens, sampling)
-            hf_tokens, hf_tps = _hf_decode_tokens_per_s(target.model, ids, args.max_new_tokens, eos)
+            hf_tokens, hf_tps = hf_decode_tokens_per_s(target.model, ids, args.max_new_tokens, eos)
             row["ar_decode_tokens_per_s"] = ar_res.decode_tokens_per_s
             row["hf_decode_tokens_per_s"] = hf_tps
             row["speedup_vs_ar"] = res.decode_tokens_per_s / max(ar_res.decode_tokens_per_s, 1e-9)

@@ -522,7 +522,7 @@ def _find_head(ctx: Context) -> Path:
             return candidate
     from transformers import AutoTokenizer
 
-    from jetflow_pl.generate_cli import load_head_or_untrained
+    from jetflow_pl.decode_options import load_head_or_untrained
     from jetflow_pl.target import TargetModel
 
     target_dir = Path(ctx.args.target)

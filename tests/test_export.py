@@ -68,15 +68,15 @@ def engines(tmp_path_factory) -> dict[str, Path]:
 
 def test_the_heads_acceptance_prior_travels_with_the_engine(engines, capsys):
     """`--budget auto` on an engine directory starts from the prior the head was saved with."""
-    from jetflow_pl.generate_cli import _acceptance_prior
+    from jetflow_pl.decode_options import acceptance_prior
 
     assert not (engines["plugin"] / ACCEPTANCE_PROFILE_FILE).exists()  # the head had none
     copied = AcceptanceProfile.load(engines["portable"] / ACCEPTANCE_PROFILE_FILE)
     assert copied.tau == [2.5, 3.5] and copied.width == 4
     args = argparse.Namespace(acceptance_profile=None, head=None, engine_dir=engines["portable"], width=4)
-    assert _acceptance_prior(args).tau == [2.5, 3.5]
+    assert acceptance_prior(args).tau == [2.5, 3.5]
     args.width = 2  # measured at width 4: found, not given, so ignored with a note
-    assert _acceptance_prior(args) is None
+    assert acceptance_prior(args) is None
     assert "measured at --width 4" in capsys.readouterr().err
 
 

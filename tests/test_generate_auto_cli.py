@@ -113,7 +113,7 @@ def test_threads_flag_reaches_the_onnx_runtime_pool(monkeypatch, capsys):
     on a 2-core machine its default (2 threads) made SmolLM2 tree rounds 1.3x dearer than 1 thread."""
     import argparse
 
-    from jetflow_pl import generate_cli
+    from jetflow_pl import decode_options, generate_cli
 
     seen: dict = {}
 
@@ -124,16 +124,16 @@ def test_threads_flag_reaches_the_onnx_runtime_pool(monkeypatch, capsys):
         seen.update(kind=kind, **kwargs)
         raise Stop
 
-    monkeypatch.setattr(generate_cli, "load_backend", fake_load_backend)
+    monkeypatch.setattr(decode_options, "load_backend", fake_load_backend)
     args = generate_cli.build_parser().parse_args(
         ["--target", "t", "--prompt", "x", "--backend", "onnxruntime", "--engine-dir", "e", "--threads", "1"]
     )
     with pytest.raises(Stop):
-        generate_cli._backends(args, None, None)
+        decode_options.load_backends(args, None, None)
     assert seen["kind"] == "onnxruntime" and seen["intra_op_threads"] == 1
     seen.clear()
     with pytest.raises(Stop):  # no flag: ORT's own default pool, as before
-        generate_cli._backends(argparse.Namespace(**{**vars(args), "threads": None}), None, None)
+        decode_options.load_backends(argparse.Namespace(**{**vars(args), "threads": None}), None, None)
     assert seen["intra_op_threads"] is None
     with pytest.raises(SystemExit):
         generate_main(["--target", "t", "--prompt", "x", "--threads", "0"])

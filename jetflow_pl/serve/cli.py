@@ -15,16 +15,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from jetflow_pl.errors import NumericalError, UserInputError
-from jetflow_pl.generate_cli import (
-    _budget,
-    _budget_policy,
-    _check_device,
-    _int_at_least,
-    _load_tokenizer,
+from jetflow_pl.decode_options import (
     add_threads_argument,
+    budget_policy,
+    check_device,
+    int_at_least,
     load_head_or_untrained,
+    load_tokenizer,
+    parse_budget,
 )
+from jetflow_pl.errors import NumericalError, UserInputError
 
 log = logging.getLogger("jetflow_pl.serve")
 
@@ -48,41 +48,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu")
     add_threads_argument(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 to serve other machines)")
-    p.add_argument("--port", type=_int_at_least(0), default=8000)
+    p.add_argument("--port", type=int_at_least(0), default=8000)
     p.add_argument(
         "--served-model-name", default=None, help="the `model` clients send (default: the folder name)"
     )
-    p.add_argument("--max-batch", type=_int_at_least(1), default=8, help="requests decoding together")
-    p.add_argument("--max-queue", type=_int_at_least(0), default=64, help="waiting requests before 429")
+    p.add_argument("--max-batch", type=int_at_least(1), default=8, help="requests decoding together")
+    p.add_argument("--max-queue", type=int_at_least(0), default=64, help="waiting requests before 429")
     p.add_argument(
         "--max-kv-tokens",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=None,
         help="KV positions the requests in flight may reserve together (prompt + max_tokens each)",
     )
     p.add_argument(
-        "--prefill-chunk", type=_int_at_least(1), default=256, help="prompt tokens prefilled per step"
+        "--prefill-chunk", type=int_at_least(1), default=256, help="prompt tokens prefilled per step"
     )
     p.add_argument(
         "--budget",
-        type=_budget,
+        type=parse_budget,
         default="auto",
         help="draft tokens per tree; 0 = AR; auto (default) = per round from this machine's cost profile "
         "at the batch size being served",
     )
-    p.add_argument("--width", type=_int_at_least(1), default=4, help="children per expanded node")
+    p.add_argument("--width", type=int_at_least(1), default=4, help="children per expanded node")
     p.add_argument("--cost-profile", type=Path, default=None, help="--budget auto: cost profile JSON")
     p.add_argument("--acceptance-profile", type=Path, default=None, help="--budget auto: acceptance prior")
     p.add_argument(
-        "--max-tokens-limit", type=_int_at_least(1), default=None, help="largest max_tokens allowed"
+        "--max-tokens-limit", type=int_at_least(1), default=None, help="largest max_tokens allowed"
     )
     p.add_argument(
         "--default-max-tokens",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=256,
         help="max_tokens of a chat request without one",
     )
-    p.add_argument("--retry-after", type=_int_at_least(1), default=1, help="Retry-After seconds of a 429")
+    p.add_argument("--retry-after", type=int_at_least(1), default=1, help="Retry-After seconds of a 429")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -92,7 +92,7 @@ def load_server_parts(args: argparse.Namespace) -> tuple[Any, Any, str]:
     from jetflow_pl.decoding import SpeculativeGenerator
     from jetflow_pl.runtime.loader import ENGINE_KINDS, load_backend, resolve_kind
 
-    _check_device(args.device)
+    check_device(args.device)
     if args.threads is not None:
         import torch
 
@@ -109,7 +109,7 @@ def load_server_parts(args: argparse.Namespace) -> tuple[Any, Any, str]:
             device=args.device if kind == "tensorrt" else None,
             intra_op_threads=args.threads,
         )
-        tokenizer = _load_tokenizer(
+        tokenizer = load_tokenizer(
             args.target if args.target is not None else args.engine_dir / TOKENIZER_DIR
         )
         name = args.served_model_name or args.engine_dir.resolve().name
@@ -119,7 +119,7 @@ def load_server_parts(args: argparse.Namespace) -> tuple[Any, Any, str]:
         from jetflow_pl.target import TargetModel
 
         target = TargetModel.from_pretrained(args.target, device=args.device)
-        tokenizer = _load_tokenizer(args.target)
+        tokenizer = load_tokenizer(args.target)
         target.check_tokenizer(tokenizer)
         if args.head is None:
             log.warning("no --head given; drafting with an untrained (random) head")
@@ -141,7 +141,7 @@ def load_server_parts(args: argparse.Namespace) -> tuple[Any, Any, str]:
         backend.check_width(args.width)
     except ValueError as err:
         raise UserInputError(str(err)) from err
-    gen = SpeculativeGenerator(backend, _budget_policy(args), args.width, eos_token_id=tokenizer.eos_token_id)
+    gen = SpeculativeGenerator(backend, budget_policy(args), args.width, eos_token_id=tokenizer.eos_token_id)
     return gen, tokenizer, name
 
 

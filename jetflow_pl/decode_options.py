@@ -1,0 +1,159 @@
+"""What the decoding commands (`generate`, `evaluate`, `serve`) set up from their flags, in one place: the
+flag types, the tokenizer, the head (or a seeded untrained one), the speculative and AR backends of
+`--backend`, and the `--budget` policy (a fixed budget, or `auto` with the head's acceptance prior).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from jetflow_pl.checkpoints import load_draft_head
+from jetflow_pl.decoding.budget import ACCEPTANCE_PROFILE_FILE, AcceptanceProfile, AutoBudget
+from jetflow_pl.errors import UserInputError
+from jetflow_pl.head import DraftHead, DraftHeadConfig
+from jetflow_pl.runtime.loader import ENGINE_KINDS, load_backend, resolve_kind
+from jetflow_pl.target import TargetModel
+
+
+def int_at_least(lo: int):
+    """An argparse type: an int >= lo, so `--budget -1` fails at parse time naming the flag."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {value}")
+        return value
+
+    return parse
+
+
+def add_threads_argument(p: argparse.ArgumentParser) -> None:
+    """`--threads N` (generate and serve): torch's threads and ONNX Runtime's intra-op pool, which keeps
+    its own size whatever torch's is; `load_backends` / the server pass it to `load_backend`."""
+    p.add_argument(
+        "--threads",
+        type=int_at_least(1),
+        default=None,
+        help="CPU threads: torch's and ONNX Runtime's intra-op pool (default: each one's own; on a small "
+        "CPU one ORT thread can make tree rounds cheaper, docs/DISTILLATION.md)",
+    )
+
+
+def parse_budget(text: str) -> int | str:
+    """An argparse type: `auto` or an int >= 0 (the messages name the flag, as `int_at_least`'s do)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r} (or 'auto')") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def float_in(lo: float, hi: float, lo_open: bool = False):
+    """An argparse type: a float in [lo, hi] ((lo, hi] with lo_open)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (lo < value if lo_open else lo <= value) or not value <= hi:
+            raise argparse.ArgumentTypeError(f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {value}")
+        return value
+
+    return parse
+
+
+def load_head_or_untrained(head_dir: Path | None, target: TargetModel, tokenizer) -> DraftHead:
+    """The head saved in `head_dir`, or (None) a seeded random head fitted to `target` whose mask id is
+    the tokenizer's mask token. The mask id of a saved head is its config's (`dflash_config`).
+
+    A random head drafts badly but decoding stays exact: it shows the loop's floor, not the method.
+    """
+    if head_dir is not None:
+        return load_draft_head(head_dir)
+    mask = getattr(tokenizer, "mask_token_id", None)
+    if mask is None:
+        raise UserInputError(
+            "no --head given and the tokenizer defines no mask token for an untrained head: pass --head DIR"
+        )
+    torch.manual_seed(0)
+    return DraftHead(DraftHeadConfig.for_target(target.config, mask_token_id=int(mask)))
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise UserInputError(f"cannot load a tokenizer from {path}: {type(err).__name__}: {err}") from err
+
+
+def check_device(name: str) -> None:
+    """Refuse a device this machine lacks before minutes of model loading, not after."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise UserInputError(f"--device {name!r} is not a torch device ({err})") from err
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserInputError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
+
+
+def load_backends(args: argparse.Namespace, target: TargetModel, head: DraftHead):
+    """(speculative backend, AR backend) of `--backend`: AR runs on the same kind of backend, so speedups
+    compare like with like (docs/DESIGN.md section 4); on torch the AR backend has no head (no taps)."""
+    kind = resolve_kind(args.backend)
+    if kind in ENGINE_KINDS and args.engine_dir is None:
+        raise UserInputError(f"--backend {args.backend} needs --engine-dir DIR (written by jetflow-export)")
+    backend = load_backend(
+        kind,
+        target=target,
+        head=head,
+        engine_dir=args.engine_dir,
+        device=args.device,
+        topk=max(8, args.width),
+        intra_op_threads=getattr(args, "threads", None),
+    )
+    try:
+        backend.check_width(args.width)
+    except ValueError as err:
+        raise UserInputError(str(err)) from err
+    return backend, load_backend("torch", target=target) if kind == "torch" else backend
+
+
+def acceptance_prior(args: argparse.Namespace) -> AcceptanceProfile | None:
+    """`--acceptance-profile`, else the profile saved beside the head, else the one in the engine
+    directory (`jetflow-export` copies the head's); a width it was not measured at is refused when given
+    explicitly and ignored (with a note) when found."""
+    path, explicit = args.acceptance_profile, True
+    for folder in (args.head, getattr(args, "engine_dir", None)):
+        if path is None and folder is not None and (Path(folder) / ACCEPTANCE_PROFILE_FILE).is_file():
+            path, explicit = Path(folder) / ACCEPTANCE_PROFILE_FILE, False
+    if path is None:
+        return None
+    prior = AcceptanceProfile.load(path)
+    if prior.width != args.width:
+        if explicit:
+            raise UserInputError(
+                f"acceptance profile {path} was measured at --width {prior.width}, not {args.width}"
+            )
+        print(f"note: ignoring {path} (measured at --width {prior.width}, not {args.width})", file=sys.stderr)
+        return None
+    return prior
+
+
+def budget_policy(args: argparse.Namespace) -> int | AutoBudget:
+    if args.budget != "auto":
+        return args.budget
+    return AutoBudget(prior=acceptance_prior(args), cost_profile_path=args.cost_profile)
