@@ -121,13 +121,17 @@ def find_user_error(err: BaseException) -> UserInputError | None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Dispatch `generate` and `draft-vocab` to their own parsers; everything else is LightningCLI's."""
+    """Dispatch `generate`, `evaluate` and `draft-vocab` to their own parsers; everything else is LightningCLI's."""
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         if args and args[0] == "generate":
             from jetflow_pl.generate_cli import main as generate_main
 
             sys.exit(generate_main(args[1:]))
+        if args and args[0] == "evaluate":
+            from jetflow_pl.evaluate_cli import main as evaluate_main
+
+            sys.exit(evaluate_main(args[1:]))
         if args and args[0] == "draft-vocab":
             from jetflow_pl.draft_vocab_cli import main as draft_vocab_main
 

@@ -364,4 +364,9 @@ def load_prompt_rows(source: str | Path, split: str = "train") -> tuple[list[dic
         return load_named_source(source)
     from jetflow_pl.prompt_files import load_local_rows
 
+    if isinstance(source, str) and ":" in source and not Path(source).expanduser().exists():
+        raise UserInputError(
+            f"unknown prompt source {source!r}: not a named set ({', '.join(NAMED_SOURCES)}) nor an existing "
+            "file or datasets folder"
+        )
     return load_local_rows(source, split), None
