@@ -483,3 +483,55 @@ def test_toy_source_mixes_counts_per_domain():
         load_rows("toy:math+code:train:1+2+3")
     with pytest.raises(PromptSourceError, match="toy domain must be one of"):
         load_rows("toy:math+poetry:train:1+2")
+
+
+def test_multi_turn_regeneration_equals_hf_greedy_turn_by_turn(tmp_path, module):
+    """Conversations answered turn by turn: each answer is HF greedy on the conversation so far (the
+    target's own earlier answers in it, joined by the chat template), and the loss mask covers exactly the
+    answers. One conversation is cut by `max_turns`, one by the context cap before its last turn."""
+    import datasets
+
+    from jetflow_pl.chat import chat_ids, continue_chat
+
+    tok = module.tokenizer
+    rows = [
+        {"id": "c1", "domain": "chat", "turns": ["What is 2 + 3?", "And times 4?", "Say it in words.", "x"]},
+        {"id": "c2", "domain": "chat", "system": "Be brief.", "turns": ["Name a fruit.", "Another one?"]},
+        {"id": "c3", "domain": "chat", "turns": ["Hi.", "Hello again.", "word " * 40]},
+    ]
+    src = _write_jsonl(tmp_path / "conv.jsonl", rows)
+    max_turns, cap = 3, 110
+    dm = PromptDataModule(str(src), batch_size=2, max_turns=max_turns, max_context_len=cap)
+    _run(tmp_path, module, dm, tmp_path / "out")
+    got = {r["id"]: r for r in datasets.load_from_disk(str(tmp_path / "out" / "dataset"))}
+    stops = list(module.stop_ids)
+    turns_seen = {}
+    for row in rows:
+        system = row.get("system")
+        first = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": row["turns"][0]}
+        ]
+        ids = chat_ids(tok, first)
+        expect, mask = list(ids), [0] * len(ids)
+        answer: list[int] = []
+        for t in range(max_turns):
+            if t > 0:
+                if t >= len(row["turns"]):
+                    break
+                nxt = continue_chat(tok, ids, answer, row["turns"][t], stops, system)
+                if len(nxt) + MAX_NEW > cap:
+                    break
+                mask += [0] * (len(nxt) - len(expect))
+                expect, ids = list(nxt), nxt
+            answer = _hf_alone(module.target.model, ids, MAX_NEW, stops)
+            expect += answer
+            mask += [1] * len(answer)
+            turns_seen[row["id"]] = t + 1
+        r = got[row["id"]]
+        assert r["input_ids"] == expect, row["id"]
+        assert r["loss_mask"] == mask, row["id"]
+        assert r["prompt_len"] == len(chat_ids(tok, first))
+    # c1 stops at max_turns (its 4th turn unused), c3 before a 3rd turn that would pass the context cap
+    assert turns_seen == {"c1": 3, "c2": 2, "c3": 2}
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["turns"] == 7 and summary["conversations_cut_by_context"] == 1

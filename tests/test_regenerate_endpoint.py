@@ -195,6 +195,37 @@ def test_greedy_rows_through_the_endpoint_equal_in_process(tmp_path, server, ref
     assert _rows(out) == rows
 
 
+def test_multi_turn_rows_through_the_endpoint_equal_in_process(tmp_path, server):
+    """Conversations answered turn by turn over HTTP (one request per turn, each carrying the target's own
+    earlier answers as ids) give the rows the in-process loop gives, loss mask included."""
+    convs = [
+        {
+            "id": "m1",
+            "domain": "chat",
+            "turns": ["Ann has 3 apples and buys 4 more. How many?", "And 2 more?"],
+        },
+        {"id": "m2", "domain": "chat", "system": "Be brief.", "turns": ["def add(a, b):", "Now subtract."]},
+    ]
+    src = tmp_path / "conv.jsonl"
+    src.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    data = lambda: PromptDataModule(str(src), batch_size=2, max_turns=2)  # noqa: E731
+    ref_writer = RegenerationWriter(str(tmp_path / "ref"), shard_size=4)
+    predict_trainer(tmp_path, ref_writer).predict(
+        RegenerationModule(str(SMALL_TARGET_DIR), max_new_tokens=MAX_NEW), datamodule=data()
+    )
+    module = EndpointRegenerationModule(
+        server.base_url, str(SMALL_TARGET_DIR), model=MODEL, max_new_tokens=MAX_NEW, concurrency=2
+    )
+    writer = EndpointRegenerationWriter(str(tmp_path / "out"), shard_size=4)
+    predict_trainer(tmp_path, writer).predict(module, datamodule=data())
+    ref, rows = _rows(tmp_path / "ref"), _rows(tmp_path / "out")
+    assert rows == ref
+    for r in ref.values():  # both turns answered: two runs of 1s in the loss mask, template 0s between
+        runs = "".join(map(str, r["loss_mask"][r["prompt_len"] :])).split("0")
+        assert len([x for x in runs if x]) == 2, r["id"]
+    assert writer.summary["turns"] == 4 and writer.summary["endpoint"]["exact"] is True
+
+
 def _endpoint_config(tmp: Path, out: Path, base_url: str) -> Path:
     args = {
         "base_url": base_url,
