@@ -34,7 +34,7 @@ from jetflow_pl.decode_options import (
     parse_budget,
 )
 from jetflow_pl.decoding import ARGenerator, SpeculativeGenerator
-from jetflow_pl.decoding.budget import AutoBudget
+from jetflow_pl.decoding.budget import AcceptanceStats, AutoBudget
 from jetflow_pl.errors import NumericalError, UserInputError
 from jetflow_pl.evaluation import (
     AR_LABEL,
@@ -106,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_threads_argument(p)
     p.add_argument("--out", type=Path, default=Path("runs/evaluate"), help="folder for evaluate.json/.png")
     p.add_argument("--no-plot", action="store_true", help="skip the plot")
+    p.add_argument(
+        "--save-acceptance-profile",
+        type=Path,
+        default=None,
+        help="write the acceptance of the first head's largest fixed budget (and every ladder budget below "
+        "it) as a `--budget auto` prior, e.g. HEAD/acceptance_profile.json; calibrate on prompts you do "
+        "not report on",
+    )
     return p
 
 
@@ -212,7 +220,7 @@ def _configs(
                 policy = AutoBudget(prior=prior, cost_profile_path=args.cost_profile)
             gen = SpeculativeGenerator(backend, policy, args.width, None, eos)
             configs.append(
-                DecodeConfig(f"{label}@{budget}", gen.generate, budget, str(head_dir or engine_dir))
+                DecodeConfig(f"{label}@{budget}", gen.generate, budget, str(head_dir or engine_dir), gen)
             )
     ar = ARGenerator(ar_backend, eos)
     return DecodeConfig(AR_LABEL, ar.generate), configs
@@ -232,6 +240,8 @@ def run(args: argparse.Namespace) -> int:
     warm = tokenizer("Hello", add_special_tokens=False)["input_ids"] or [int(tokenizer.eos_token_id or 0)]
     for cfg in [ar, *configs]:
         cfg.generate(warm, 8)
+        if cfg.generator is not None:  # the profile saved at the end counts the measured turns only
+            cfg.generator.acceptance = AcceptanceStats(cfg.generator.acceptance.budgets)
     from tqdm.auto import tqdm
 
     total = sum(1 + len(c.later) for c in conversations)
@@ -287,10 +297,28 @@ def run(args: argparse.Namespace) -> int:
         f"[evaluate] wrote {args.out / 'evaluate.json'}"
         + ("" if args.no_plot else f" and {args.out / 'evaluate.png'}")
     )
+    if args.save_acceptance_profile is not None:
+        save_prior(configs, args, sum(1 for _ in records))
     if mismatches:
         print(f"error: {mismatches} outputs differ from AR (lossless check failed)", file=sys.stderr)
         return 1
     return 0
+
+
+def save_prior(configs: Sequence[DecodeConfig], args: argparse.Namespace, turns: int) -> None:
+    """The acceptance seen at the first head's largest fixed budget, as an `AcceptanceProfile` file."""
+    fixed = [c for c in configs if isinstance(c.budget, int) and c.generator is not None]
+    if not fixed:
+        raise UserInputError("--save-acceptance-profile needs a fixed --budget (e.g. --budget 16)")
+    first_head = fixed[0].head
+    best = max((c for c in fixed if c.head == first_head), key=lambda c: c.budget)
+    note = f"python -m jetflow_pl evaluate, budget {best.budget}, {turns} turns of {', '.join(args.prompts)}"
+    try:
+        profile = best.generator.acceptance.to_profile(args.width, note=note)
+    except ValueError as err:
+        raise UserInputError(f"--save-acceptance-profile: {err}") from err
+    profile.save(args.save_acceptance_profile)
+    print(f"[evaluate] acceptance profile of {best.label} written to {args.save_acceptance_profile}")
 
 
 def ar_stop_ids(tokenizer) -> set[int]:

@@ -55,6 +55,8 @@ class DecodeConfig:
     generate: Callable[..., GenerationResult]
     budget: int | str = 0
     head: str | None = None
+    #: the generator behind `generate` where there is one (its acceptance statistics)
+    generator: Any = None
 
 
 @dataclass

@@ -53,7 +53,7 @@ def test_evaluate_two_mtbench_questions_lossless_with_table_and_records(tmp_path
         "1",
     ]
     with pytest.raises(SystemExit) as done:  # through the package's front door, as a user runs it
-        cli_main(["evaluate", *argv])
+        cli_main(["evaluate", *argv, "--save-acceptance-profile", str(tmp_path / "prior.json")])
     assert done.value.code == 0
     printed = capsys.readouterr().out
     assert "mtbench" in printed and "toy@4" in printed and "toy@auto" in printed
@@ -87,6 +87,12 @@ def test_evaluate_two_mtbench_questions_lossless_with_table_and_records(tmp_path
     # per-position acceptance is a survival curve: non-increasing, in [0, 1]
     curve = whole["accept_rate_per_position"]
     assert all(0.0 <= b <= a <= 1.0 for a, b in zip([1.0, *curve], curve, strict=False))
+
+    from jetflow_pl.decoding.budget import AcceptanceProfile
+
+    prior = AcceptanceProfile.load(tmp_path / "prior.json")  # from the fixed budget 4, the 4 turns only
+    assert prior.width == 4 and max(prior.budgets) == 4 and prior.rounds[-1] == whole["rounds"]
+    assert prior.tau[-1] == pytest.approx(whole["tau"])
 
     records = result["records"]
     assert [(r["id"], r["turn"], r["category"]) for r in records] == [
