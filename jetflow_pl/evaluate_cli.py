@@ -84,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="at most N conversations per category of each source (e.g. for a local file)",
     )
+    p.add_argument(
+        "--skip-per-category",
+        type=int_at_least(0),
+        default=0,
+        help="pass over the first N conversations of each category (e.g. prompts a head was selected on)",
+    )
     p.add_argument("--turns", type=int_at_least(1), default=2, help="user turns answered per conversation")
     p.add_argument(
         "--budget",
@@ -150,7 +156,7 @@ def _load_conversations(args: argparse.Namespace) -> tuple[list, list[dict]]:
     for spec in args.prompts:
         rows, report = load_prompt_rows(spec, split="test")
         name = spec.split(":", 1)[0].split("@", 1)[0] if report is not None else Path(spec).stem
-        convs = conversations_from_rows(rows, name, args.turns, args.max_per_category)
+        convs = conversations_from_rows(rows, name, args.turns, args.max_per_category, args.skip_per_category)
         if not convs:
             raise UserInputError(f"--prompts {spec!r} selects no conversation")
         conversations += convs

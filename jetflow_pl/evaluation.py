@@ -107,15 +107,24 @@ class TurnRecord:
 
 
 def conversations_from_rows(
-    rows: Sequence[dict], source: str, max_turns: int, max_per_category: int | None = None
+    rows: Sequence[dict],
+    source: str,
+    max_turns: int,
+    max_per_category: int | None = None,
+    skip_per_category: int = 0,
 ) -> list[Conversation]:
     """Rows of a prompt source (`prompt_sets.load_prompt_rows`) as conversations of at most `max_turns`
-    user turns; at most `max_per_category` per category, in the source's order. A row without a `domain`
+    user turns: per category, in the source's order, the first `skip_per_category` rows are passed over
+    (e.g. prompts a head was selected on) and at most `max_per_category` taken. A row without a `domain`
     falls in the category named after the source."""
     taken: Counter = Counter()
+    seen: Counter = Counter()
     out = []
     for i, row in enumerate(rows):
         category = str(row.get("domain") or source)
+        seen[category] += 1
+        if seen[category] <= skip_per_category:
+            continue
         if max_per_category is not None and taken[category] >= max_per_category:
             continue
         first, later, system = row_conversation(row, f"{source} row {i}", max_turns=max_turns)

@@ -161,3 +161,14 @@ def test_bad_input_is_one_line(tmp_path, capsys, extra, words):
     assert code == 2 and words in err
     assert len([ln for ln in err.splitlines() if ln.startswith("error:")]) == 1
     assert not (Path(tmp_path) / "evaluate.json").exists()
+
+
+def test_selection_per_category_skips_then_caps():
+    from jetflow_pl.evaluation import conversations_from_rows
+
+    rows = [{"id": f"{d}{i}", "domain": d, "prompt": f"q {d} {i}"} for i in range(5) for d in ("a", "b")]
+    rows.append({"id": "plain", "prompt": "no domain"})
+    convs = conversations_from_rows(rows, "file", 2, max_per_category=2, skip_per_category=1)
+    assert [c.conv_id for c in convs] == ["a1", "b1", "a2", "b2"]  # 'plain' (category 'file') is skipped too
+    assert all(c.later == [] for c in convs)  # a prompt row has no later turn
+    assert [c.category for c in conversations_from_rows(rows[-1:], "file", 2)] == ["file"]
