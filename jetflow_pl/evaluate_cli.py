@@ -225,8 +225,12 @@ def _configs(
                 )
                 policy = AutoBudget(prior=prior, cost_profile_path=args.cost_profile)
             gen = SpeculativeGenerator(backend, policy, args.width, None, eos)
+            vocab = getattr(head, "draft_vocab", None) if head is not None else None
+            vocab = frozenset(int(i) for i in vocab.tolist()) if vocab is not None else None
             configs.append(
-                DecodeConfig(f"{label}@{budget}", gen.generate, budget, str(head_dir or engine_dir), gen)
+                DecodeConfig(
+                    f"{label}@{budget}", gen.generate, budget, str(head_dir or engine_dir), gen, vocab
+                )
             )
     ar = ARGenerator(ar_backend, eos)
     return DecodeConfig(AR_LABEL, ar.generate), configs

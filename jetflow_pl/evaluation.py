@@ -57,6 +57,8 @@ class DecodeConfig:
     head: str | None = None
     #: the generator behind `generate` where there is one (its acceptance statistics)
     generator: Any = None
+    #: the ids the head can draft (its draft vocabulary); None = every id
+    draft_vocab: frozenset[int] | None = None
 
 
 @dataclass
@@ -70,6 +72,8 @@ class Run:
     accept_lengths: list[int]
     budgets: list[int]
     matches_ar: bool
+    #: AR's tokens of this turn the head cannot draft (outside its draft vocabulary)
+    outside_draft_vocab: int = 0
 
 
 @dataclass
@@ -100,6 +104,7 @@ class TurnRecord:
                     else 0.0,
                     "budgets_played": dict(Counter(r.budgets)),
                     "matches_ar": r.matches_ar,
+                    "outside_draft_vocab": r.outside_draft_vocab,
                 }
                 for r in self.runs
             ],
@@ -184,6 +189,9 @@ def evaluate_conversations(
                     reference = list(results[ar.label].tokens)
                 for cfg in everyone:
                     res = results[cfg.label]
+                    outside = 0
+                    if cfg.draft_vocab is not None:
+                        outside = sum(1 for tok in reference if tok not in cfg.draft_vocab)
                     rec.runs.append(
                         Run(
                             cfg.label,
@@ -193,6 +201,7 @@ def evaluate_conversations(
                             list(res.accept_lengths),
                             list(res.budgets),
                             list(res.tokens) == reference,
+                            outside,
                         )
                     )
             answer = reference or []
@@ -277,15 +286,20 @@ def _metrics(runs: Sequence[Run], ar_runs: Sequence[Run], repeats: int) -> dict:
         "speedup_vs_ar_max": max(speedups, default=0.0),
         "speedup_vs_ar_per_repeat": [round(s, 4) for s in speedups],
         "mismatches": sum(1 for r in runs if not r.matches_ar),
+        # share of AR's tokens the head could not have drafted (outside its draft vocabulary): a floor on
+        # the rounds that must end there
+        "outside_draft_vocab": sum(r.outside_draft_vocab for r in runs if r.repeat == 0)
+        / max(1, sum(r.new_tokens for r in runs if r.repeat == 0)),
         "ar_repeat_mismatches": sum(1 for r in ar_runs if not r.matches_ar),
     }
 
 
 def format_table(rows: Sequence[dict]) -> str:
-    """The table as aligned text: one line per (group, configuration)."""
+    """The table as aligned text: one line per (group, configuration). `acc@i`: per-position acceptance;
+    `oov%`: AR tokens outside the head's draft vocabulary."""
     head = (
         f"{'source':<10} {'group':<12} {'config':<28} {'turns':>5} {'tau':>5} {'acc@1':>6} {'acc@2':>6} "
-        f"{'acc@3':>6} {'tok/s':>7} {'AR tok/s':>8} {'x AR':>5} {'(min-max)':>11} {'lossless':>8}"
+        f"{'acc@3':>6} {'oov%':>5} {'tok/s':>7} {'AR tok/s':>8} {'x AR':>5} {'(min-max)':>11} {'lossless':>8}"
     )
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -293,7 +307,8 @@ def format_table(rows: Sequence[dict]) -> str:
         spread = f"{r['speedup_vs_ar_min']:.2f}-{r['speedup_vs_ar_max']:.2f}"
         lines.append(
             f"{r['source']:<10} {r['group']:<12} {r['config']:<28} {r['turns']:>5} {r['tau']:>5.2f} "
-            f"{acc[0]:>6.2f} {acc[1]:>6.2f} {acc[2]:>6.2f} {r['decode_tokens_per_s']:>7.1f} "
+            f"{acc[0]:>6.2f} {acc[1]:>6.2f} {acc[2]:>6.2f} {100 * r['outside_draft_vocab']:>5.1f} "
+            f"{r['decode_tokens_per_s']:>7.1f} "
             f"{r['ar_decode_tokens_per_s']:>8.1f} {r['speedup_vs_ar']:>5.2f} {spread:>11} "
             f"{'yes' if r['mismatches'] == 0 else 'NO (' + str(r['mismatches']) + ')':>8}"
         )

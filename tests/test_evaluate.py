@@ -172,3 +172,25 @@ def test_selection_per_category_skips_then_caps():
     assert [c.conv_id for c in convs] == ["a1", "b1", "a2", "b2"]  # 'plain' (category 'file') is skipped too
     assert all(c.later == [] for c in convs)  # a prompt row has no later turn
     assert [c.category for c in conversations_from_rows(rows[-1:], "file", 2)] == ["file"]
+
+
+def test_tokens_outside_the_draft_vocabulary_are_counted():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(SMALL)
+
+    def ar(ids, n, sampling):
+        return GenerationResult(
+            tokens=[5, 6, 7, 9], accept_lengths=[1] * 3, budgets=[0] * 3, decode_seconds=0.1
+        )
+
+    def spec(ids, n, sampling):
+        return GenerationResult(
+            tokens=[5, 6, 7, 9], accept_lengths=[2, 1], budgets=[4, 4], decode_seconds=0.1
+        )
+
+    conv = Conversation("set", "cat", "c1", [{"role": "user", "content": "hi"}], [])
+    cfg = DecodeConfig("dv@4", spec, 4, draft_vocab=frozenset({5, 6}))
+    records, _ = evaluate_conversations([conv], DecodeConfig(AR_LABEL, ar), [cfg], tok, [1], 4)
+    (row,) = summarize(records, ["dv@4"], 1)
+    assert row["outside_draft_vocab"] == 0.5 and row["mismatches"] == 0
