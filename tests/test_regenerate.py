@@ -535,3 +535,13 @@ def test_multi_turn_regeneration_equals_hf_greedy_turn_by_turn(tmp_path, module)
     assert turns_seen == {"c1": 3, "c2": 2, "c3": 2}
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["turns"] == 7 and summary["conversations_cut_by_context"] == 1
+    # resume works per conversation: lose one shard, rerun, the lost conversations come back identical
+    out = tmp_path / "out"
+    victim = list_shards(out)[0]
+    lost = shard_ids(victim)
+    victim.unlink()
+    dm2 = PromptDataModule(str(src), batch_size=2, max_turns=max_turns, max_context_len=cap)
+    w2 = _run(tmp_path, module, dm2, out)
+    assert w2.summary["written"] == len(lost) and w2.summary["skipped_already_done"] == 3 - len(lost)
+    again = {r["id"]: r for r in datasets.load_from_disk(str(out / "dataset"))}
+    assert again == got
