@@ -322,6 +322,7 @@ def plot_table(rows: Sequence[dict], path: Any) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     configs = list(dict.fromkeys(r["config"] for r in rows))
     groups = list(dict.fromkeys((r["source"], r["group"]) for r in rows))
@@ -348,6 +349,7 @@ def plot_table(rows: Sequence[dict], path: Any) -> None:
             ax2.plot(
                 pos, r["accept_rate_per_position"], marker="o", ms=3, label=f"{r['source']} {r['config']}"
             )
+    ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax2.set_xlabel("draft position")
     ax2.set_ylabel("acceptance rate (share of drafting rounds)")
     ax2.set_ylim(0, 1)

@@ -392,3 +392,51 @@ def test_numpy_inputs_of_every_dtype_named_in_the_contract_are_accepted(engines)
     expect = {"int64": "tensor(int64)", "int32": "tensor(int32)", "float": "tensor(float)"}
     for name, (dtype, _) in TARGET_INPUTS.items():
         assert types[name] == expect[dtype]
+
+
+def test_evaluate_on_the_onnxruntime_engine_is_lossless_against_ort_ar(engines, tmp_path, monkeypatch):
+    """`python -m jetflow_pl evaluate --backend onnxruntime`: the engine's head against ORT's own AR on a
+    local prompt file, every output identical, `auto` starting from the prior copied into the engine."""
+    import json
+
+    from jetflow_pl.evaluate_cli import main as evaluate_main
+
+    monkeypatch.setenv("JETFLOW_PL_CACHE_DIR", str(tmp_path / "cache"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        "".join(
+            json.dumps({"id": f"m{i}", "domain": "math", "prompt": r["prompt"]}) + "\n"
+            for i, r in enumerate(heldout_prompts("math", 2))
+        )
+    )
+    out = tmp_path / "eval"
+    argv = [
+        "--target",
+        str(SMALL_TARGET_DIR),
+        "--backend",
+        "onnxruntime",
+        "--engine-dir",
+        f"ort={engines['portable']}",
+    ]
+    argv += ["--prompts", str(prompts), "--budget", "8", "--budget", "auto", "--max-new-tokens", "16"]
+    assert evaluate_main([*argv, "--threads", "1", "--no-plot", "--out", str(out)]) == 0
+    result = json.loads((out / "evaluate.json").read_text())
+    assert result["lossless"] and result["settings"]["backend"] == "onnxruntime"
+    (whole,) = [r for r in result["table"] if r["group"] == "all" and r["config"] == "ort@8"]
+    assert whole["turns"] == 2 and whole["tau"] > 1.0  # the trained toy head drafts on toy math
+    # the ORT backend's own head needs --engine-dir, not --head
+    assert (
+        evaluate_main(
+            [
+                "--target",
+                str(SMALL_TARGET_DIR),
+                "--backend",
+                "onnxruntime",
+                "--head",
+                "x",
+                "--prompts",
+                str(prompts),
+            ]
+        )
+        == 2
+    )
