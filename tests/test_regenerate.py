@@ -460,7 +460,7 @@ def test_on_error_skip_counts_failed_samples_and_a_rerun_retries_them(
 
 
 @pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
-@pytest.mark.parametrize("name", ["toy.yaml", "local_checkpoint_ddp.yaml"])
+@pytest.mark.parametrize("name", ["toy.yaml", "local_checkpoint_ddp.yaml", "smollm2_chat.yaml"])
 def test_shipped_configs_parse(name, capsys):
     from jetflow_pl.cli import lightning_main
 
