@@ -9,8 +9,8 @@ Prompt sources (`--prompts`, repeatable): the named sets `mtbench[:<categories>[
 (`--turns`, default 2: MT-Bench's second turn follows the target's own first answer). Several `--head`s
 (torch backends) or `--engine-dir`s (onnxruntime / tensorrt) are measured side by side against the same AR.
 
-Prints the table and writes `<out>/evaluate.json` (settings, table, per-turn records; no prompt text) and
-`<out>/evaluate.png`. Exits 1 when any output differs from AR (the lossless check), 2 on bad input.
+Prints the table and writes `<out>/evaluate.json` (settings, table, per-turn records; no prompt text),
+`<out>/evaluate.md` (the table in Markdown) and `<out>/evaluate.png`. Exits 1 when any output differs from AR (the lossless check), 2 on bad input.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from jetflow_pl.evaluation import (
     DecodeConfig,
     conversations_from_rows,
     evaluate_conversations,
+    format_markdown,
     format_table,
     plot_table,
     summarize,
@@ -301,6 +302,7 @@ def run(args: argparse.Namespace) -> int:
         "records": [r.to_dict() for r in records],
     }
     (args.out / "evaluate.json").write_text(json.dumps(result, indent=1))
+    (args.out / "evaluate.md").write_text(format_markdown(table) + "\n")
     if not args.no_plot:
         plot_table(table, args.out / "evaluate.png")
     print(

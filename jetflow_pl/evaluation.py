@@ -315,6 +315,29 @@ def format_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_markdown(rows: Sequence[dict]) -> str:
+    """The table as Markdown (for a head card or a journal): speedups as median [min-max] over repeats."""
+    lines = [
+        "| source | group | config | turns | tau | acceptance @1 / @2 / @3 | outside draft vocab | tok/s | "
+        "vs own AR | lossless |",
+        "|---|---|---|---:|---:|---|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        acc = (r["accept_rate_per_position"] + [0.0, 0.0, 0.0])[:3]
+        spread = (
+            f" [{r['speedup_vs_ar_min']:.2f}-{r['speedup_vs_ar_max']:.2f}]"
+            if len(r["speedup_vs_ar_per_repeat"]) > 1
+            else ""
+        )
+        lines.append(
+            f"| {r['source']} | {r['group']} | {r['config']} | {r['turns']} | {r['tau']:.2f} | "
+            f"{acc[0]:.2f} / {acc[1]:.2f} / {acc[2]:.2f} | {100 * r['outside_draft_vocab']:.1f}% | "
+            f"{r['decode_tokens_per_s']:.1f} | {r['speedup_vs_ar']:.2f}x{spread} | "
+            f"{'yes' if r['mismatches'] == 0 else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
 def plot_table(rows: Sequence[dict], path: Any) -> None:
     """Two panels: tau per group and configuration (bars), and per-position acceptance of each source's
     `all` group (lines). Written with matplotlib's Agg backend (no display needed)."""

@@ -60,6 +60,8 @@ def test_evaluate_two_mtbench_questions_lossless_with_table_and_records(tmp_path
 
     result = json.loads((out / "evaluate.json").read_text())
     assert (out / "evaluate.png").stat().st_size > 0
+    markdown = (out / "evaluate.md").read_text().splitlines()
+    assert markdown[0].startswith("| source | group | config") and len(markdown) == 2 + len(result["table"])
     assert result["lossless"] is True and result["settings"]["turns"] == 2
     assert [c["label"] for c in result["settings"]["configs"]] == ["toy@4", "toy@auto"]
     groups = [(r["group"], r["config"]) for r in result["table"]]
