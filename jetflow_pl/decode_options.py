@@ -110,6 +110,17 @@ def check_device(name: str) -> None:
         raise UserInputError(f"--device {name}: CUDA is not available on this machine (use --device cpu)")
 
 
+def load_checked_head(head_dir: Path | None, target: TargetModel, tokenizer, device: str) -> DraftHead:
+    """`load_head_or_untrained` on `device`, refused in one line (naming every mismatched field) when it
+    does not fit `target`: before any decoding, not at the first draft."""
+    head = load_head_or_untrained(head_dir, target, tokenizer).to(device)
+    try:
+        head.check_compatible(target.config)
+    except ValueError as err:
+        raise UserInputError(f"{head_dir}: {err}") from err
+    return head
+
+
 def load_backends(args: argparse.Namespace, target: TargetModel, head: DraftHead):
     """(speculative backend, AR backend) of `--backend`: AR runs on the same kind of backend, so speedups
     compare like with like (docs/DESIGN.md section 4); on torch the AR backend has no head (no taps)."""

@@ -29,7 +29,8 @@ from jetflow_pl.decode_options import (
     add_threads_argument,
     check_device,
     int_at_least,
-    load_head_or_untrained,
+    load_backends,
+    load_checked_head,
     load_tokenizer,
     parse_budget,
 )
@@ -48,7 +49,7 @@ from jetflow_pl.evaluation import (
     timestamp,
 )
 from jetflow_pl.prompt_sets import load_prompt_rows
-from jetflow_pl.runtime.loader import BACKEND_KINDS, ENGINE_KINDS, load_backend, resolve_kind
+from jetflow_pl.runtime.loader import BACKEND_KINDS, ENGINE_KINDS, resolve_kind
 from jetflow_pl.target import TargetModel
 
 
@@ -194,28 +195,12 @@ def _configs(
         for folder in (head_dir, engine_dir):
             if folder is not None and not folder.is_dir():
                 raise UserInputError(f"{folder} is not a folder")
-        head = None
-        if kind not in ENGINE_KINDS:
-            head = load_head_or_untrained(head_dir, target, tokenizer).to(args.device)
-            try:
-                head.check_compatible(target.config)
-            except ValueError as err:
-                raise UserInputError(f"{head_dir}: {err}") from err
-        backend = load_backend(
-            kind,
-            target=target,
-            head=head,
-            engine_dir=engine_dir,
-            device=args.device,
-            topk=max(8, args.width),
-            intra_op_threads=args.threads,
+        head = None if kind in ENGINE_KINDS else load_checked_head(head_dir, target, tokenizer, args.device)
+        # the one backend set-up of the decoding commands, for this head or engine
+        backend, own_ar = load_backends(
+            argparse.Namespace(**{**vars(args), "engine_dir": engine_dir}), target, head
         )
-        try:
-            backend.check_width(args.width)
-        except ValueError as err:
-            raise UserInputError(str(err)) from err
-        if ar_backend is None:
-            ar_backend = load_backend("torch", target=target) if kind == "torch" else backend
+        ar_backend = ar_backend or own_ar
         for budget in budgets:
             policy = budget
             if budget == "auto":

@@ -31,7 +31,7 @@ from jetflow_pl.decode_options import (
     float_in,
     int_at_least,
     load_backends,
-    load_head_or_untrained,
+    load_checked_head,
     load_tokenizer,
     parse_budget,
 )
@@ -154,11 +154,7 @@ def _run(args: argparse.Namespace) -> int:
     target.check_tokenizer(tokenizer)
     if args.head is None:
         print("note: no --head given; drafting with an untrained (random) head", file=sys.stderr)
-    head = load_head_or_untrained(args.head, target, tokenizer).to(args.device)
-    try:
-        head.check_compatible(target.config)  # before any decoding, naming every mismatched field
-    except ValueError as err:
-        raise UserInputError(f"{args.head}: {err}") from err
+    head = load_checked_head(args.head, target, tokenizer, args.device)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
     eos = tokenizer.eos_token_id
     policy = Top2GapCap(args.gap_cap) if args.gap_cap is not None else None

@@ -20,7 +20,7 @@ from jetflow_pl.decode_options import (
     budget_policy,
     check_device,
     int_at_least,
-    load_head_or_untrained,
+    load_checked_head,
     load_tokenizer,
     parse_budget,
 )
@@ -123,11 +123,7 @@ def load_server_parts(args: argparse.Namespace) -> tuple[Any, Any, str]:
         target.check_tokenizer(tokenizer)
         if args.head is None:
             log.warning("no --head given; drafting with an untrained (random) head")
-        head = load_head_or_untrained(args.head, target, tokenizer).to(args.device)
-        try:
-            head.check_compatible(target.config)
-        except ValueError as err:
-            raise UserInputError(f"{args.head}: {err}") from err
+        head = load_checked_head(args.head, target, tokenizer, args.device)
         if kind == "torch":
             from jetflow_pl.runtime.torch_backend import TorchBackend
 
