@@ -750,6 +750,56 @@ def test_metrics_count_what_was_served(pair, server, client, texts):
     assert after[("jetflow_request_latency_seconds_count", "")] >= 3
 
 
+def scrape_vllm_spec(url: str) -> dict[str, Any]:
+    """vLLM's spec-decode series of /metrics: {name: value}, and the per-position vector as a list."""
+    r = httpx.get(url + "/metrics")
+    out: dict[str, Any] = {"per_pos": {}}
+    for fam in text_string_to_metric_families(r.text):
+        if not fam.name.startswith("vllm:spec_decode"):
+            continue
+        for s in fam.samples:
+            # vLLM's labels: dashboards built for vLLM filter on model_name and engine
+            assert s.labels["model_name"] == MODEL and s.labels["engine"] == "0", s.labels
+            if "position" in s.labels:
+                out["per_pos"][int(s.labels["position"])] = s.value
+            else:
+                out[s.name] = s.value
+    out["per_pos"] = [out["per_pos"][i] for i in sorted(out["per_pos"])]
+    return out
+
+
+def test_vllm_spec_decode_counters_add_up_to_the_responses(pair, server, client, texts):
+    """/metrics exports vLLM's four spec-decode counters under vLLM's names and labels, and they add up to
+    what the responses report: a dashboard or `vllm bench` reading them sees this server's acceptance."""
+    before = scrape_vllm_spec(server[0].url)
+    # every draft depth of the head is listed, as vLLM lists positions 0 .. num_speculative_tokens-1
+    assert len(before["per_pos"]) == pair[0].block_size - 1
+    sums = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+    for text in texts[:3]:
+        out = client.completions.create(model=MODEL, prompt=text, max_tokens=MAX_NEW, temperature=0)
+        extra = out.model_extra["jetflow"]
+        for key in sums:
+            sums[key] += extra[key]
+        # budget 16 in every round: every round drafted, and each committed its accepted drafts + 1
+        assert extra["num_drafts"] == extra["rounds"]
+        assert extra["num_draft_tokens"] == BUDGET * extra["rounds"]
+        committed = extra["num_accepted_tokens"] + extra["num_drafts"]
+        assert committed == pytest.approx(extra["tau"] * extra["rounds"])
+    wait_idle(server[1])
+    after = scrape_vllm_spec(server[0].url)
+    for key, total in sums.items():
+        name = f"vllm:spec_decode_{key}_total"
+        assert after[name] - before[name] == total, name
+    per_pos = [a - b for a, b in zip(after["per_pos"], before["per_pos"], strict=True)]
+    # each accepted token is counted at exactly one position, and a deeper position is reached only
+    # through the shallower ones
+    assert sum(per_pos) == sums["num_accepted_tokens"]
+    assert all(x >= y for x, y in zip(per_pos, per_pos[1:], strict=False))
+    assert per_pos[0] <= sums["num_drafts"]
+    # vLLM's mean acceptance length: the trained head drafted more than one token per verify
+    assert 1 + sums["num_accepted_tokens"] / sums["num_drafts"] > 1.5
+
+
 # ---------------------------------------------------------------------------------------------------
 # text: incremental detokenization and stop strings
 # ---------------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from jetflow_pl.decoding.engine import EngineFull
 from jetflow_pl.decoding.sampling import SamplingConfig
 from jetflow_pl.errors import NumericalError, UserInputError
 from jetflow_pl.serve import protocol as P
-from jetflow_pl.serve.driver import EngineDriver, Ticket
+from jetflow_pl.serve.driver import EngineDriver, Ticket, spec_decode_counts
 from jetflow_pl.serve.metrics import CONTENT_TYPE, metrics_registry, render
 from jetflow_pl.serve.text import TextStream
 
@@ -89,7 +89,9 @@ def create_app(
     app = FastAPI(title="jetflow-serve", lifespan=lifespan)
     app.state.driver = driver
     app.state.config = config
-    registry = metrics_registry(driver.stats, config.model_name)
+    registry = metrics_registry(
+        driver.stats, config.model_name, positions=max(driver.engine.backend.block_size - 1, 0)
+    )
 
     @app.exception_handler(P.ServeError)
     async def _serve_error(request: Request, err: P.ServeError) -> JSONResponse:
@@ -353,11 +355,16 @@ def create_app(
 
 
 def _stats(result: Any) -> dict:
+    counts = spec_decode_counts(result.budgets, result.accept_lengths)
     return {
         "tau": result.tau,
         "rounds": result.num_rounds,
         "ttft_s": result.ttft_s,
         "latency_s": result.latency_s,
         "budgets": sorted(set(result.budgets)),
+        # vLLM's spec-decode counts of this request: what /metrics adds up over requests
+        "num_drafts": counts.num_drafts,
+        "num_draft_tokens": counts.num_draft_tokens,
+        "num_accepted_tokens": counts.num_accepted_tokens,
         "engine_finish_reason": result.finish_reason,
     }

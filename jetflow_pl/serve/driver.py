@@ -34,7 +34,7 @@ from jetflow_pl.decoding.sampling import SamplingConfig
 from jetflow_pl.errors import NumericalError
 from jetflow_pl.serve.faults import FaultGuard
 
-__all__ = ["DriverStats", "EngineDriver", "Ticket"]
+__all__ = ["DriverStats", "EngineDriver", "SpecDecodeCounts", "Ticket", "spec_decode_counts"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,49 @@ class Ticket:
 
 
 @dataclass
+class SpecDecodeCounts:
+    """vLLM's spec-decode counts (its `SpecDecodingStats`) of a set of rounds; see `spec_decode_counts`."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    #: accepted_per_pos[i]: drafts whose accepted path reached draft depth i + 1
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def add(self, other: SpecDecodeCounts) -> None:
+        """Add `other`'s counts to these (in place)."""
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        self.accepted_per_pos.extend([0] * max(len(other.accepted_per_pos) - len(self.accepted_per_pos), 0))
+        for i, n in enumerate(other.accepted_per_pos):
+            self.accepted_per_pos[i] += n
+
+
+def spec_decode_counts(budgets: list[int], accept_lengths: list[int]) -> SpecDecodeCounts:
+    """vLLM's meaning of one request's rounds (`budgets[i]`, `accept_lengths[i]` per round).
+
+    A round that drafted (budget > 0; an AR round drafts nothing and is no draft) is one draft of `budget`
+    draft tokens (every node of the tree was drafted) of which `accept_length - 1` were accepted (the last
+    committed token is the target's own, vLLM's "bonus"); `accepted_per_pos[i]` counts the drafts whose
+    accepted path reached depth `i + 1`. So `1 + num_accepted_tokens / num_drafts` is vLLM's mean
+    acceptance length over the drafted rounds.
+    """
+    out = SpecDecodeCounts()
+    for budget, committed in zip(budgets, accept_lengths, strict=True):
+        if budget <= 0:
+            continue
+        accepted = max(int(committed) - 1, 0)
+        out.num_drafts += 1
+        out.num_draft_tokens += int(budget)
+        out.num_accepted_tokens += accepted
+        out.accepted_per_pos.extend([0] * max(accepted - len(out.accepted_per_pos), 0))
+        for i in range(accepted):
+            out.accepted_per_pos[i] += 1
+    return out
+
+
+@dataclass
 class DriverStats:
     """What /metrics reports; written on the driver thread, read under `lock` by the scraper."""
 
@@ -75,6 +118,8 @@ class DriverStats:
     rounds: int = 0  # request-rounds: one per request per decode round
     committed_in_rounds: int = 0  # tokens those rounds committed (tau = this / rounds)
     budget_sum: int = 0  # draft budgets those rounds were played at (0: AR rounds)
+    #: vLLM's spec-decode counters over every finished request (`spec_decode_counts`)
+    spec: SpecDecodeCounts = field(default_factory=SpecDecodeCounts)
     latency_sum_s: float = 0.0
     ttft_sum_s: float = 0.0
     latency_count: int = 0
@@ -311,6 +356,7 @@ class EngineDriver:
                 self.stats.rounds += res.num_rounds
                 self.stats.committed_in_rounds += sum(res.accept_lengths)
                 self.stats.budget_sum += sum(res.budgets)
+                self.stats.spec.add(spec_decode_counts(res.budgets, res.accept_lengths))
                 if ok and res.finished_at:
                     self.stats.latency_sum_s += res.latency_s
                     self.stats.ttft_sum_s += res.ttft_s
