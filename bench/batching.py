@@ -53,10 +53,10 @@ sys.path.insert(0, str(REPO / "bench"))
 from budget_auto import read_prompts  # noqa: E402  (bench/budget_auto.py: the shared prompt reader)
 from load_plot import budget_label, plot_load  # noqa: E402  (bench/load_plot.py)
 
+from jetflow_pl.checkpoints import load_draft_head  # noqa: E402
 from jetflow_pl.decode_options import acceptance_prior, load_tokenizer  # noqa: E402
 from jetflow_pl.decoding import SpeculativeGenerator  # noqa: E402
 from jetflow_pl.decoding.budget import ACCEPTANCE_PROFILE_FILE, AutoBudget  # noqa: E402
-from jetflow_pl.head import DraftHead  # noqa: E402
 from jetflow_pl.runtime.ort_backend import OnnxRuntimeBackend  # noqa: E402
 from jetflow_pl.runtime.torch_backend import TorchBackend  # noqa: E402
 from jetflow_pl.target import TargetModel  # noqa: E402
@@ -177,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.manual_seed(0)
     prior = acceptance_prior(args)  # as jetflow-generate resolves it (explicit, else beside the head)
     if args.backend == "torch":
-        head = DraftHead.from_pretrained(str(args.head)).eval()
+        head = load_draft_head(args.head).eval()
         target = TargetModel.from_pretrained(args.target, head.config.target_layer_ids)
         tokenizer = load_tokenizer(args.target)
         model_name = args.target.name

@@ -42,9 +42,9 @@ sys.path.insert(0, str(REPO / "bench"))
 from batching import require_lossless, run_order  # noqa: E402  (bench/batching.py)
 from budget_auto import read_prompts  # noqa: E402  (bench/budget_auto.py: the shared prompt reader)
 
+from jetflow_pl.checkpoints import load_draft_head  # noqa: E402
 from jetflow_pl.decode_options import load_tokenizer  # noqa: E402
 from jetflow_pl.decoding import SpeculativeGenerator  # noqa: E402
-from jetflow_pl.head import DraftHead  # noqa: E402
 from jetflow_pl.runtime.torch_backend import TorchBackend  # noqa: E402
 from jetflow_pl.target import TargetModel  # noqa: E402
 
@@ -140,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "ar" not in args.patterns:
         args.patterns = ["ar", *args.patterns]  # the lossless reference
     torch.set_num_threads(args.threads)
-    head = DraftHead.from_pretrained(str(args.head)).eval()
+    head = load_draft_head(args.head).eval()
     target = TargetModel.from_pretrained(args.target, head.config.target_layer_ids)
     tokenizer = load_tokenizer(args.target)
     prompts = read_prompts(args.prompts, tokenizer, args.n_prompts, True)

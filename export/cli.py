@@ -25,7 +25,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--head", required=True, type=Path, help="draft head directory (HF format)")
     parser.add_argument("--target", required=True, type=Path, help="target model directory (HF format)")
-    parser.add_argument("--out", required=True, type=Path, help="engine directory to write")
+    parser.add_argument("--out", required=True, type=Path, help="engine directory (or head folder) to write")
+    parser.add_argument(
+        "--format",
+        choices=("onnx", "vllm", "sglang", "jetspec"),
+        default="onnx",
+        help="onnx (default): the engine directory of this runtime (ONNX graphs, TensorRT with --engine); "
+        "vllm / sglang / jetspec: the head as that engine's DFlash loader reads it (docs/SCALE_OUT.md)",
+    )
+    parser.add_argument(
+        "--full-vocab",
+        action="store_true",
+        help="--format sglang/jetspec: write a head with a draft vocabulary anyway (those engines draft over "
+        "every id; without this flag such a head is refused)",
+    )
     parser.add_argument(
         "--variant",
         choices=VARIANTS,
@@ -75,6 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.variant is None:  # the variant that runs best where the engine will run
         args.variant = "plugin" if args.engine else "portable"
     try:
+        if args.format != "onnx":
+            return _write_engine_folder(args)
         plugin = None
         if args.engine and args.max_batch > 1:
             raise UserInputError(
@@ -119,6 +134,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"engine directory written: {out}")
+    return 0
+
+
+def _write_engine_folder(args: argparse.Namespace) -> int:
+    """`--format vllm|sglang|jetspec`: the head folder for that engine, and the command that serves it."""
+    if args.engine:
+        raise UserInputError(
+            f"--engine builds TensorRT engines from ONNX graphs: drop it with --format {args.format}"
+        )
+    from export.engine_folder import EngineFolderSettings, write_engine_folder
+
+    command = write_engine_folder(
+        EngineFolderSettings(
+            head=args.head,
+            target=args.target,
+            out=args.out,
+            engine=args.format,
+            full_vocab=args.full_vocab,
+            overwrite=args.overwrite,
+        )
+    )
+    print(f"{args.format} head folder written: {args.out}\nserve it with:\n  {command}")
     return 0
 
 

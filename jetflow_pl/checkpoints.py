@@ -74,21 +74,45 @@ def load_draft_head(path: str | Path):
     from jetflow_pl.head import DraftHead
 
     path = Path(path)
-    check_safetensors_dir(path, "draft head")
+    files = check_safetensors_dir(path, "draft head")
     if not (path / "config.json").is_file():
         raise UserInputError(f"draft head folder {path} has no config.json")
     try:
-        head, info = DraftHead.from_pretrained(
-            path, use_safetensors=True, local_files_only=True, output_loading_info=True
-        )
+        head = DraftHead.from_pretrained(path, use_safetensors=True, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as err:
         if isinstance(err, UserInputError):
             raise
         raise CheckpointError(f"cannot load the draft head from {path}: {type(err).__name__}: {err}") from err
-    if "draft_vocab" in set(info.get("missing_keys") or ()):
-        # from_pretrained would leave the buffer uninitialised: the head would draft from garbage ids
-        raise CheckpointError(
-            f"{path}/config.json says draft_vocab_size={head.config.draft_vocab_size}, but its weights hold "
-            "no draft_vocab (write the head with `python -m jetflow_pl draft-vocab` or set_draft_vocab)"
-        )
+    if int(head.config.draft_vocab_size or 0) > 0:
+        _load_draft_vocab(head, path, files)
     return head
+
+
+def _load_draft_vocab(head, path: Path, files: list[Path]) -> None:
+    """Check that the head's draft vocabulary was in its weights, or set it from vLLM's `d2t` offsets (a
+    head folder written for vLLM, or an EAGLE-3-style head; its `lm_head.weight` rows are the target's,
+    which the runtimes here take from the target itself). `DraftHead` ignores both tensors on load, so
+    this reads the files' keys rather than the loading info."""
+    from safetensors import safe_open
+
+    from jetflow_pl.head.draft_vocab import BUFFER, set_draft_vocab
+    from jetflow_pl.head.engine_formats import draft_vocab_from_d2t
+
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            keys = set(f.keys())
+            if BUFFER in keys:
+                return
+            if "d2t" in keys:
+                try:
+                    set_draft_vocab(head, draft_vocab_from_d2t(f.get_tensor("d2t")))
+                except ValueError as err:
+                    raise CheckpointError(
+                        f"{path}: its d2t offsets are not a draft vocabulary: {err}"
+                    ) from err
+                return
+    # from_pretrained would leave the buffer uninitialised: the head would draft from garbage ids
+    raise CheckpointError(
+        f"{path}/config.json says draft_vocab_size={head.config.draft_vocab_size}, but its weights hold "
+        "no draft_vocab (write the head with `python -m jetflow_pl draft-vocab` or set_draft_vocab)"
+    )

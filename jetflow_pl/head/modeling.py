@@ -188,6 +188,10 @@ class DraftHead(PreTrainedModel):
     main_input_name = "block_embeds"
     supports_gradient_checkpointing = True
     _no_split_modules = ["DraftDecoderLayer"]
+    # a head folder written for vLLM carries its draft vocabulary as `d2t` offsets plus the target's lm_head
+    # rows; `checkpoints.load_draft_head` reads the offsets, the rows are the target's own
+    _keys_to_ignore_on_load_unexpected = [r"^d2t$", r"^lm_head\.weight$"]
+    _keys_to_ignore_on_load_missing = [r"^draft_vocab$"]
 
     def __init__(self, config: DraftHeadConfig) -> None:
         super().__init__(config)

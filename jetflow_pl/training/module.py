@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch import LightningModule
 
+from jetflow_pl.checkpoints import load_draft_head
 from jetflow_pl.errors import NumericalError, UserInputError
 from jetflow_pl.head import DraftHead, DraftHeadConfig
 from jetflow_pl.head.draft_vocab import (
@@ -285,7 +286,7 @@ class DistillationModule(LightningModule):
             # float32 master weights whatever the head was stored in (the shipped SmolLM2 head is
             # bfloat16): AdamW on bfloat16 weights loses most small updates, and the optimizer state
             # must keep one dtype
-            return DraftHead.from_pretrained(hp.init_head_path).float()
+            return load_draft_head(hp.init_head_path).float()
         if mask_token_id is None:
             mask_token_id = default_mask_token_id(path)
         if mask_token_id is None:
