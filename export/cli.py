@@ -28,10 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, type=Path, help="engine directory (or head folder) to write")
     parser.add_argument(
         "--format",
-        choices=("onnx", "vllm", "sglang", "jetspec"),
+        choices=("onnx", "vllm", "sglang", "jetspec", "llamacpp"),
         default="onnx",
         help="onnx (default): the engine directory of this runtime (ONNX graphs, TensorRT with --engine); "
-        "vllm / sglang / jetspec: the head as that engine's DFlash loader reads it (docs/SCALE_OUT.md)",
+        "vllm / sglang / jetspec / llamacpp: the head as that engine's DFlash loader reads it (docs/SCALE_OUT.md)",
     )
     parser.add_argument(
         "--full-vocab",
@@ -138,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _write_engine_folder(args: argparse.Namespace) -> int:
-    """`--format vllm|sglang|jetspec`: the head folder for that engine, and the command that serves it."""
+    """`--format vllm|sglang|jetspec|llamacpp`: the head folder for that engine, and the command that serves it."""
     if args.engine:
         raise UserInputError(
             f"--engine builds TensorRT engines from ONNX graphs: drop it with --format {args.format}"

@@ -1,8 +1,8 @@
-"""`jetflow-export --format vllm|sglang|jetspec`: a head folder that engine's DFlash loader reads as we mean it.
+"""`jetflow-export --format vllm|sglang|jetspec|llamacpp`: a head folder that engine's DFlash loader reads as we mean it.
 
 The rules per engine, and why there is one folder per engine, are in `jetflow_pl.head.engine_formats`.
 This module only does the I/O: read our head folder, take the draft vocabulary's lm_head rows from the
-target (vLLM) and the mask token's text from its tokenizer (SGLang), write `config.json` and
+target (vLLM, llama.cpp) and the mask token's text from its tokenizer (SGLang), write `config.json` and
 `model.safetensors` atomically (a staging folder renamed into place), plus a `SERVE.md` with the command.
 """
 
@@ -78,7 +78,8 @@ def write_engine_folder(s: EngineFolderSettings) -> str:
     dflash = config.get("dflash_config") or {}
     mask_id = dflash.get("mask_token_id")
     engine_config(config, s.engine, mask_token="" if s.engine == "sglang" else None, full_vocab=s.full_vocab)
-    lm_head = _target_lm_head(s.target) if s.engine == "vllm" and "draft_vocab" in state else None
+    needs_rows = s.engine in ("vllm", "llamacpp") and "draft_vocab" in state
+    lm_head = _target_lm_head(s.target) if needs_rows else None
     mask_token = _mask_token(s.target, mask_id) if s.engine == "sglang" and mask_id is not None else None
     if lm_head is not None and int(lm_head.shape[0]) != int(config["vocab_size"]):
         raise UserInputError(

@@ -123,7 +123,7 @@ def test_datamodule_deterministic_split(random_dataset: Path) -> None:
 
 # ------------------------------------------------------------------------------------------ fit
 def test_fit_checkpoint_holds_only_head_and_export_loads(
-    tiny_target_dir: Path, random_dataset: Path, tmp_path: Path
+    tiny_target_dir: Path, random_dataset: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     module = _module(tiny_target_dir)
     export = HFHeadExport(str(tmp_path / "head"))
@@ -131,8 +131,15 @@ def test_fit_checkpoint_holds_only_head_and_export_loads(
         every_n_steps=0, budget=8, width=2, max_new_tokens=6, prompt_token_ids=[[3, 4, 5, 6], [7, 8, 9]]
     )
     trainer = _trainer(tmp_path, 3, [tau_cb, export], limit_val_batches=1, val_check_interval=3)
-    trainer.fit(module, datamodule=_data(random_dataset))
+    with caplog.at_level("INFO"):
+        trainer.fit(module, datamodule=_data(random_dataset))
     assert trainer.global_step == 3
+    # the end of fit says how to serve the best head: here, and exported for vLLM and SGLang
+    said = caplog.text
+    best = tmp_path / "head" / "best"
+    assert f"jetflow-serve --target {tiny_target_dir} --head {best}" in said
+    assert f"jetflow-export --format vllm --head {best} --target {tiny_target_dir} --out {best}-vllm" in said
+    assert '"num_speculative_tokens": 3' in said and "--speculative-algorithm DFLASH" in said
     assert "train/loss" in trainer.callback_metrics and "val/sim_tau" in trainer.callback_metrics
     assert tau_cb.history and tau_cb.history[-1]["tau"] >= 1.0
     assert float(trainer.callback_metrics["val/tau"]) == pytest.approx(tau_cb.history[-1]["tau"])

@@ -1,4 +1,4 @@
-"""A head as each serving engine's DFlash loader reads it: vLLM, SGLang and the JetSpec reference loader.
+"""A head as each engine's DFlash loader reads it: vLLM, SGLang, the JetSpec reference loader, llama.cpp.
 
 Why one folder per engine (`jetflow-export --format ENGINE`), not one saved format for all: the engines'
 rules conflict, and two of them cannot express what our head is.
@@ -20,6 +20,12 @@ rules conflict, and two of them cannot express what our head is.
 - **JetSpec** (reference `load_draft_head`, transformers 4.x) reads `dflash_config.{causal_head,
   target_layer_ids, target_hidden_size, mask_token_id}`, top-level `block_size` and `rope_theta`: our saved
   format. It always scores with the target's full lm_head (no draft vocabulary).
+- **llama.cpp** (`convert_hf_to_gguf.py` of llama.cpp 0c1e57098, then `--spec-type draft-dflash`) reads
+  causality as vLLM does (`is_causal`, then `dflash_config.causal`; else bidirectional), adds 1 to
+  `target_layer_ids` (same meaning as ours), and refuses any tensor it cannot map (`draft_vocab`). Its
+  `DFlashDraftModel` class cannot map `d2t` either; `DSparkDraftModel` converts `d2t` + `lm_head.weight`
+  to its draft vocabulary (and, without its extra tensors, runs plain DFlash drafting). So a head with a
+  draft vocabulary is written under that name.
 
 Where an engine cannot honour the head it is refused in one line (`EngineFormatError`), never written:
 a head with a draft vocabulary for SGLang or JetSpec would draft tokens it was never trained to rank
@@ -40,11 +46,14 @@ import torch
 from torch import Tensor
 
 from jetflow_pl.errors import UserInputError
+from jetflow_pl.head.configuration import legacy_rope_fields
 
-ENGINES = ("vllm", "sglang", "jetspec")
+ENGINES = ("vllm", "sglang", "jetspec", "llamacpp")
 
 #: the architecture name vLLM's and SGLang's registries map to their DFlash drafter
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
+#: llama.cpp's converter maps this name to its DFlash class that reads `d2t` (its plain DFlash one cannot)
+LLAMACPP_D2T_ARCHITECTURE = "DSparkDraftModel"
 
 
 class EngineFormatError(UserInputError):
@@ -101,6 +110,24 @@ LOADER_RULES: tuple[LoaderRule, ...] = (
     LoaderRule("jetspec", "dflash_config.mask_token_id", "the id fed at every masked block slot"),
     LoaderRule("jetspec", "block_size", "the draft block"),
     LoaderRule("jetspec", "rope_theta", "transformers 4.x RoPE base (default 1e4 without it)"),
+    LoaderRule(
+        "llamacpp",
+        "architectures",
+        "DSparkDraftModel with a draft vocabulary (maps d2t), else DFlashDraftModel",
+    ),
+    LoaderRule(
+        "llamacpp", "is_causal", "dflash.attention.causal (then dflash_config.causal; else bidirectional)"
+    ),
+    LoaderRule(
+        "llamacpp", "dflash_config.target_layer_ids", "written + 1 as dflash.target_layers (same meaning)"
+    ),
+    LoaderRule("llamacpp", "dflash_config.mask_token_id", "tokenizer.ggml.mask_token_id"),
+    LoaderRule("llamacpp", "block_size", "dflash.block_size (drafts at most block_size - 1)"),
+    LoaderRule("llamacpp", "draft_vocab_size", "the d2t length check"),
+    LoaderRule("llamacpp", "d2t", "int64 offsets -> absolute target ids (range and uniqueness checked)"),
+    LoaderRule(
+        "llamacpp", "lm_head.weight", "[draft_vocab_size, hidden]: the target's rows in draft-id order"
+    ),
 )
 
 
@@ -175,12 +202,17 @@ def engine_config(
             f"({target_hidden}) != hidden_size ({hidden}): the head's fc would not load"
         )
     out["layer_types"] = ["full_attention"] * layers
-    if engine == "vllm":
-        out["architectures"] = [DFLASH_ARCHITECTURE]
+    # transformers-4.x loaders (JetSpec's) read the RoPE base only at the top level, and a head saved
+    # before the saved format carried it there would otherwise draft at base 1e4
+    out.update(legacy_rope_fields(out.get("rope_parameters")))
+    if engine in ("vllm", "llamacpp"):
+        has_draft_vocab = 0 < draft < vocab
+        d2t_name = LLAMACPP_D2T_ARCHITECTURE if engine == "llamacpp" else DFLASH_ARCHITECTURE
+        out["architectures"] = [d2t_name if has_draft_vocab else DFLASH_ARCHITECTURE]
         out["is_causal"] = causal
         dflash["causal"] = causal
         out["target_hidden_size"] = target_hidden
-        out["draft_vocab_size"] = draft if 0 < draft < vocab else vocab
+        out["draft_vocab_size"] = draft if has_draft_vocab else vocab
     elif engine == "sglang":
         out["architectures"] = [DFLASH_ARCHITECTURE]
         if mask_token is None:
@@ -195,7 +227,7 @@ def engine_config(
             out["use_sliding_window"] = True
     else:  # jetspec: our own format is what its loader reads
         dflash["causal"] = causal
-    if full_vocab and engine != "vllm":
+    if full_vocab and engine in ("sglang", "jetspec"):
         out["draft_vocab_size"] = 0
     out["dflash_config"] = dflash
     return out
@@ -206,20 +238,20 @@ def engine_weights(
 ) -> dict[str, Tensor]:
     """The tensors of a head for `engine`, from our saved `state` (`model.safetensors`).
 
-    vLLM: the `draft_vocab` buffer becomes `d2t` plus `lm_head.weight`, the rows `lm_head_weight` (the
-    target's `[V, H]` lm_head) holds at the draft ids, in the head's dtype. Elsewhere the buffer is dropped
-    (only with `full_vocab`, see `engine_config`).
+    vLLM and llama.cpp: the `draft_vocab` buffer becomes `d2t` plus `lm_head.weight`, the rows
+    `lm_head_weight` (the target's `[V, H]` lm_head) holds at the draft ids, in the head's dtype. Elsewhere
+    the buffer is dropped (only with `full_vocab`, see `engine_config`).
     """
     out = {k: v.contiguous() for k, v in state.items() if k != "draft_vocab"}
     vocab = state.get("draft_vocab")
     if vocab is None:
         return out
-    if engine != "vllm":
+    if engine not in ("vllm", "llamacpp"):
         if not full_vocab:
             raise EngineFormatError(f"{engine} cannot honour a draft vocabulary (see engine_config)")
         return out
     if lm_head_weight is None:
-        raise EngineFormatError("vLLM needs the draft vocabulary's lm_head rows: pass the target")
+        raise EngineFormatError(f"{engine} needs the draft vocabulary's lm_head rows: pass the target")
     ids = vocab.to(torch.int64)
     dtype = next(iter(out.values())).dtype if out else lm_head_weight.dtype
     out["d2t"] = d2t_from_draft_vocab(ids)
@@ -238,6 +270,11 @@ def engine_serve_command(engine: str, engine_dir: str | Path, target_dir: str | 
         return (
             f"python -m sglang.launch_server --model-path {target_dir} --speculative-algorithm DFLASH "
             f"--speculative-draft-model-path {engine_dir} --speculative-num-draft-tokens {int(block_size)}"
+        )
+    if engine == "llamacpp":  # its converter takes the HF folder (and the target's tokenizer)
+        return (
+            f"python convert_hf_to_gguf.py {engine_dir} --target-model-dir {target_dir} --outfile head.gguf && "
+            f"llama-server -m TARGET.gguf -md head.gguf --spec-type draft-dflash --spec-draft-n-max {k}"
         )
     # jetspec's folder is our own format: the tree runtime here serves it
     return f"jetflow-serve --target {target_dir} --head {engine_dir}"

@@ -327,6 +327,20 @@ class AcceptanceLengthCallback(Callback):
             self._run(trainer, pl_module)
 
 
+def serve_instructions(head_dir: Path, target: str | Path, block_size: int) -> str:
+    """The lines printed after `fit`: how to serve the trained head here and on vLLM / SGLang."""
+    from jetflow_pl.head.engine_formats import serve_commands
+
+    lines = serve_commands(head_dir, target, block_size)
+    return (
+        f"[HFHeadExport] head written to {head_dir}; serve it\n"
+        f"  with the tree runtime here:  {lines['jetflow']}\n"
+        f"  on vLLM (chains):            {lines['vllm']}\n"
+        f"  on SGLang (chains):          {lines['sglang']}\n"
+        "  (docs/SCALE_OUT.md: what each engine gives)"
+    )
+
+
 class HFHeadExport(Callback):
     """Export the head in HF format: `<dirpath>/last` and `<dirpath>/best` (by `monitor`, `mode`).
 
@@ -426,6 +440,10 @@ class HFHeadExport(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.save_last:
             self._write(trainer, pl_module, self.last_dir, None)
+        head_dir = self.best_dir if self.best_dir.is_dir() else self.last_dir
+        target = getattr(pl_module.hparams, "target_path", None)
+        if trainer.is_global_zero and head_dir.is_dir() and target is not None:
+            rank_zero_info(serve_instructions(head_dir, target, int(pl_module.head.config.block_size)))
 
     def state_dict(self) -> dict:
         return {"best_value": self.best_value, "best_step": self.best_step}
