@@ -134,6 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"engine directory written: {out}")
+    backend = "tensorrt --device cuda" if args.engine else "onnxruntime"
+    print(f"serve it with:\n  jetflow-serve --engine-dir {out} --backend {backend}")
+    print("the head on vLLM / SGLang / llama.cpp: jetflow-export --format vllm|sglang|llamacpp (docs/SCALE_OUT.md)")
     return 0
 
 

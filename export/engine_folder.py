@@ -72,7 +72,7 @@ def write_engine_folder(s: EngineFolderSettings) -> str:
     if s.engine not in ENGINES:
         raise UserInputError(f"--format {s.engine!r}: choose one of {', '.join(ENGINES)} (or onnx)")
     if s.out.exists() and not s.overwrite:
-        raise UserInputError(f"{s.out} exists: pass --overwrite to replace it")
+        raise UserInputError(f"output folder {s.out} already exists; pass --overwrite to replace it")
     config, state = _read_head(s.head)
     # check what the engine can honour before loading the target (seconds to minutes)
     dflash = config.get("dflash_config") or {}

@@ -193,7 +193,7 @@ def engine_config(
     if engine in ("sglang", "jetspec") and 0 < draft < vocab and not full_vocab:
         raise EngineFormatError(
             f"{engine} cannot honour a draft vocabulary ({draft} of {vocab} ids): it ignores it and drafts "
-            "over the target's full lm_head, ranking ids the head was never trained on; export for vllm, "
+            "over the target's full lm_head, ranking ids the head was never trained on; export for vllm or llamacpp, "
             "train a head without draft_vocab_size, or pass --full-vocab to accept that"
         )
     if engine == "jetspec" and target_hidden != hidden:
