@@ -120,9 +120,34 @@ def find_user_error(err: BaseException) -> UserInputError | None:
     return None
 
 
+#: every subcommand of `python -m jetflow_pl`, with what it is for (what `--help` lists)
+COMMANDS = {
+    "fit": "distill a draft head (LightningCLI: --config FILE; the head lands in HF format)",
+    "validate": "validate a head on held-out data (LightningCLI)",
+    "test": "test a head (LightningCLI)",
+    "predict": "regenerate training data with the target (LightningCLI: --config configs/regenerate/...)",
+    "generate": "speculative decoding of prompts, against the target's own AR and HF generate() (--compare)",
+    "evaluate": "per-category tau / acceptance / speed table on prompt sets (MT-Bench, ShareGPT, files)",
+    "draft-vocab": "give a head a draft vocabulary from regenerated data",
+}
+
+USAGE = (
+    "usage: python -m jetflow_pl {"
+    + ",".join(COMMANDS)
+    + "} ...\n\ncommands:\n"
+    + "".join(f"  {name:<12} {what}\n" for name, what in COMMANDS.items())
+    + "\n`python -m jetflow_pl COMMAND --help` shows a command's flags. Console scripts: jetflow-export (ONNX /\n"
+    "TensorRT engines, --format vllm|sglang|jetspec|llamacpp), jetflow-serve (OpenAI-compatible server),\n"
+    "jetflow-generate (= generate).\n"
+)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Dispatch `generate`, `evaluate` and `draft-vocab` to their own parsers; everything else is LightningCLI's."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        sys.exit(0 if args else 2)
     try:
         if args and args[0] == "generate":
             from jetflow_pl.generate_cli import main as generate_main

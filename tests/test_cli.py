@@ -25,8 +25,10 @@ def test_module_cli_lists_lightning_subcommands():
         [sys.executable, "-m", "jetflow_pl", "--help"], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr
-    for sub in ("fit", "validate", "test", "predict"):
-        assert sub in out.stdout
+    # every subcommand a user has, not only Lightning's four
+    for sub in ("fit", "validate", "test", "predict", "generate", "evaluate", "draft-vocab"):
+        assert f"\n  {sub} " in out.stdout, sub
+    assert "jetflow-export" in out.stdout and "jetflow-serve" in out.stdout
 
 
 def test_export_with_missing_folders_is_one_error_and_writes_nothing(tmp_path, capsys):
