@@ -38,14 +38,21 @@ from jetflow_pl.decode_options import (
 from jetflow_pl.decoding import ARGenerator, SamplingConfig, SpeculativeGenerator
 from jetflow_pl.decoding.budget import ACCEPTANCE_PROFILE_FILE, AutoBudget
 from jetflow_pl.errors import MissingPathError, NumericalError, UserInputError
-from jetflow_pl.runtime.loader import BACKEND_KINDS
+from jetflow_pl.runtime.contract import TOKENIZER_DIR
+from jetflow_pl.runtime.loader import BACKEND_KINDS, ENGINE_KINDS, resolve_kind
 from jetflow_pl.target import TargetModel
 from jetflow_pl.tree import Top2GapCap
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jetflow-generate", description=__doc__.splitlines()[0])
-    p.add_argument("--target", required=True, type=Path, help="target model directory (HF format)")
+    p.add_argument(
+        "--target",
+        type=Path,
+        default=None,
+        help="target model directory (HF format); optional with --engine-dir, which holds the graphs, "
+        "config and tokenizer (HF generate() in --compare needs it)",
+    )
     p.add_argument("--head", type=Path, default=None, help="draft head directory; omitted = untrained head")
     p.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     p.add_argument("--prompts-file", type=Path, default=None, help="a text file with one prompt per line")
@@ -93,10 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--backend",
         choices=[*BACKEND_KINDS, "graph"],
-        default="torch",
-        help="torch: HF target + head; torch-graph (or graph): the decode graphs eagerly in torch "
-        "(tree-attention op, Triton on CUDA); onnxruntime / tensorrt: an exported engine directory "
-        "(--engine-dir; tensorrt needs --device cuda)",
+        default=None,
+        help="torch (default without --engine-dir): HF target + head; torch-graph (or graph): the decode "
+        "graphs eagerly in torch (tree-attention op, Triton on CUDA); onnxruntime (default with "
+        "--engine-dir) / tensorrt: an exported engine directory (tensorrt needs --device cuda)",
     )
     p.add_argument(
         "--engine-dir", type=Path, default=None, help="engine directory for --backend onnxruntime / tensorrt"
@@ -139,6 +146,28 @@ def _budget_counts(budgets: Sequence[int]) -> str:
     return " ".join(f"{k}x{n}" for k, n in Counter(budgets).most_common())
 
 
+def _load_models(args: argparse.Namespace) -> tuple[TargetModel | None, object | None, object]:
+    """(target, head, tokenizer) of the flags. An engine directory alone is enough for an engine backend:
+    it holds the graphs, config and tokenizer, so nothing else loads (target and head are then None)."""
+    kind = resolve_kind(args.backend)
+    if args.target is None:
+        if kind not in ENGINE_KINDS or args.engine_dir is None:
+            raise UserInputError(
+                f"--backend {args.backend} needs --target DIR (or decode an --engine-dir on onnxruntime / tensorrt)"
+            )
+        if args.head is not None:
+            raise UserInputError("--head needs --target (an engine directory carries its own head graph)")
+        if not args.engine_dir.is_dir():
+            raise MissingPathError(f"engine directory does not exist: {args.engine_dir}")
+        return None, None, load_tokenizer(args.engine_dir / TOKENIZER_DIR)
+    target = TargetModel.from_pretrained(args.target, device=args.device)
+    tokenizer = load_tokenizer(args.target)
+    target.check_tokenizer(tokenizer)
+    if args.head is None:
+        print("note: no --head given; drafting with an untrained (random) head", file=sys.stderr)
+    return target, load_checked_head(args.head, target, tokenizer, args.device), tokenizer
+
+
 def _run(args: argparse.Namespace) -> int:
     check_device(args.device)
     prompts = list(args.prompt)
@@ -149,12 +178,9 @@ def _run(args: argparse.Namespace) -> int:
     if not prompts:
         print("jetflow-generate: give at least one --prompt or --prompts-file", file=sys.stderr)
         return 2
-    target = TargetModel.from_pretrained(args.target, device=args.device)
-    tokenizer = load_tokenizer(args.target)
-    target.check_tokenizer(tokenizer)
-    if args.head is None:
-        print("note: no --head given; drafting with an untrained (random) head", file=sys.stderr)
-    head = load_checked_head(args.head, target, tokenizer, args.device)
+    if args.backend is None:
+        args.backend = "onnxruntime" if args.engine_dir is not None else "torch"
+    target, head, tokenizer = _load_models(args)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
     eos = tokenizer.eos_token_id
     policy = Top2GapCap(args.gap_cap) if args.gap_cap is not None else None
@@ -189,16 +215,22 @@ def _run(args: argparse.Namespace) -> int:
             line += f" | predicted x{row['predicted_speedup_vs_ar']:.2f} vs AR"
         if ar is not None:
             ar_res = ar.generate(ids, args.max_new_tokens, sampling)
-            hf_tokens, hf_tps = hf_decode_tokens_per_s(target.model, ids, args.max_new_tokens, eos)
             row["ar_decode_tokens_per_s"] = ar_res.decode_tokens_per_s
-            row["hf_decode_tokens_per_s"] = hf_tps
             row["speedup_vs_ar"] = res.decode_tokens_per_s / max(ar_res.decode_tokens_per_s, 1e-9)
-            row["speedup_vs_hf"] = res.decode_tokens_per_s / max(hf_tps, 1e-9)
+            line += f" | x{row['speedup_vs_ar']:.2f} vs AR"
             if sampling.greedy:
-                row["matches_hf_greedy"] = hf_tokens == res.tokens
-            line += f" | x{row['speedup_vs_ar']:.2f} vs AR | x{row['speedup_vs_hf']:.2f} vs HF generate"
+                row["matches_ar"] = ar_res.tokens == res.tokens
+            if target is not None:  # HF generate() runs the HF model itself
+                hf_tokens, hf_tps = hf_decode_tokens_per_s(target.model, ids, args.max_new_tokens, eos)
+                row["hf_decode_tokens_per_s"] = hf_tps
+                row["speedup_vs_hf"] = res.decode_tokens_per_s / max(hf_tps, 1e-9)
+                line += f" | x{row['speedup_vs_hf']:.2f} vs HF generate"
+                if sampling.greedy:
+                    row["matches_hf_greedy"] = hf_tokens == res.tokens
             if "matches_hf_greedy" in row:
                 line += f" | identical to HF greedy: {row['matches_hf_greedy']}"
+            elif "matches_ar" in row:
+                line += f" | identical to AR: {row['matches_ar']}"
         print(line + "]")
         rows.append(row)
     if args.save_acceptance_profile is not None:

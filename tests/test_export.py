@@ -21,7 +21,7 @@ from data_gen.toy.tokenizer import prompt_ids
 from export.cli import main as export_main
 from export.onnx_export import ExportSettings, export_engine
 from jetflow_pl.decoding.budget import ACCEPTANCE_PROFILE_FILE, AcceptanceProfile
-from jetflow_pl.decoding.generator import SpeculativeGenerator
+from jetflow_pl.decoding.generator import ARGenerator, SpeculativeGenerator
 from jetflow_pl.head import DraftHead
 from jetflow_pl.runtime.contract import (
     CONFIG_FILE,
@@ -78,6 +78,31 @@ def test_the_heads_acceptance_prior_travels_with_the_engine(engines, capsys):
     args.width = 2  # measured at width 4: found, not given, so ignored with a note
     assert acceptance_prior(args) is None
     assert "measured at --width 4" in capsys.readouterr().err
+
+
+def test_an_engine_directory_alone_is_enough_to_generate(engines, pair, capsys):
+    """`generate --engine-dir DIR` with no --target and no --head: the engine holds graphs, config and
+    tokenizer (issue 46: it used to ask for --head). Its output is the target's own greedy output."""
+    from jetflow_pl.chat import encode_prompt
+    from jetflow_pl.generate_cli import main as generate_main
+
+    prompt = heldout_prompts("math", 1)[0]["prompt"]
+    argv = ["--engine-dir", str(engines["portable"]), "--prompt", prompt, "--budget", "16"]
+    assert generate_main([*argv, "--max-new-tokens", "12", "--compare", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "vs AR" in out and "identical to AR: True" in out and "HF generate" not in out
+    # the text is the target's greedy continuation (torch, in process)
+    head, target = pair
+    tok = AutoTokenizer.from_pretrained(SMALL_TARGET_DIR)
+    ids = encode_prompt(tok, prompt, chat=True)  # what generate feeds the engine
+    ref = ARGenerator(TorchBackend(target), eos_token_id=tok.eos_token_id).generate(ids, 12).tokens
+    assert tok.decode(ref, skip_special_tokens=True) in out
+    # a --head without --target is refused in one line (the engine carries its own head graph)
+    assert generate_main([*argv, "--head", str(SMALL_HEAD_DIR)]) == 2
+    assert "--head needs --target" in capsys.readouterr().err
+    # a torch backend still needs the target
+    assert generate_main(["--backend", "torch", "--prompt", "x"]) == 2
+    assert "needs --target" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
