@@ -75,7 +75,7 @@ def closed_loop(
     in one round; a speculative policy finishes them over many rounds with fewer requests in each), which
     is a property of a finite run, not of serving under sustained load; both numbers are reported."""
     engine = gen.engine(max_batch=batch)
-    engine._start()  # the policy's cost profile is loaded (or measured) before the clock starts
+    engine.start()  # the policy's cost profile is loaded (or measured) before the clock starts
     handles: list = []
     order = iter(range(n))
     steady: tuple[float, int] | None = None  # (seconds, tokens) when the last request was submitted

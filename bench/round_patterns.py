@@ -89,7 +89,7 @@ def run_wave(
 ) -> tuple[dict, dict[int, list[int]]]:
     """One wave of `batch` requests submitted together; every round timed by the budget it played."""
     engine = gen.engine(max_batch=batch)
-    engine._start()
+    engine.start()
     times: dict[int, list[float]] = defaultdict(list)
     real_round = gen._round
 

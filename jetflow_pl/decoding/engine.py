@@ -330,7 +330,7 @@ class DecodeEngine:
         tracked = self._all()
         before = [len(lv.handle.result.tokens) for lv in tracked]
         if tracked:
-            self._start()  # before any request's KV exists: a cost-profile measurement uses the backend
+            self.start()  # before any request's KV exists: a cost-profile measurement uses the backend
         self._admit()
         self._prefill()
         if self._decoding:
@@ -353,10 +353,11 @@ class DecodeEngine:
     def _all(self) -> list[_Live]:
         return [*self._waiting, *self._prefilling, *self._decoding]
 
-    def _start(self) -> None:
-        """Start the budget policy once, before the first request is prefilled: `budget="auto"` may measure
-        this machine's cost profile by running the backend, which leaves slot 0's caches in use; they are
-        freed before any request takes a slot (measuring between rounds corrupted live requests' KV)."""
+    def start(self) -> None:
+        """Start the budget policy once (idempotent), before the first request is prefilled: `budget="auto"`
+        may measure this machine's cost profile by running the backend, which leaves slot 0's caches in
+        use; they are freed before any request takes a slot (measuring between rounds corrupted live
+        requests' KV). `step` calls it; call it first to keep that measurement out of a timed run."""
         if not self._started:
             start_policy(self.generator.budget_policy, self.backend.backend, self.max_batch)
             self.backend.release(0)

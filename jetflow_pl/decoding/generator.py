@@ -30,7 +30,6 @@ from jetflow_pl.decoding.budget import (
     choose_round_budget,
     observe_round,
     resolve_budget,
-    start_policy,
 )
 from jetflow_pl.decoding.sampling import SamplingConfig, processed_probs
 from jetflow_pl.errors import UserInputError, check_finite
@@ -296,10 +295,8 @@ class SpeculativeGenerator:
         prompt = self.check_prompt(prompt_ids, max_new_tokens)
         if max_new_tokens == 0:
             return GenerationResult(tokens=[])
-        # may measure this machine's cost profile once (budget="auto"): before the clock starts
-        start_policy(self.budget_policy, self.backend, 1)
         engine = DecodeEngine(self, max_batch=1, prefill_chunk=None, backend=SingleSequence(self.backend))
-        engine._started = True
+        engine.start()  # may measure this machine's cost profile once (budget="auto"): before the clock starts
         handle = engine.submit(prompt, max_new_tokens, sampling or SamplingConfig())
         engine.run()
         return handle.result

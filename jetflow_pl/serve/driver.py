@@ -232,7 +232,7 @@ class EngineDriver:
         prefill) the measurement would run over the KV of the requests just prefilled, so it is done here,
         with nothing in flight, which also keeps the measurement out of the first request's latency."""
         try:
-            self.engine._start()
+            self.engine.start()
         except Exception:  # the engine retries at its first round, where the request then fails
             log.exception("starting the budget policy failed")
         self._ready.set()
