@@ -138,15 +138,20 @@ def test_concise_parser_error_keeps_other_messages_whole():
         (["--top-p", "0"], "argument --top-p: must be in (0.0, 1.0]"),
         (["--top-k", "-3"], "argument --top-k: must be >= 0"),
         (["--bogus"], "unrecognized arguments: --bogus"),
-        ([], "the following arguments are required: --target"),
     ],
 )
 def test_generate_bad_flags_exit_2_naming_the_flag(capsys, flags, named):
-    target = [] if flags == [] else ["--target", "t", "--prompt", "x"]
     with pytest.raises(SystemExit) as info:
-        generate_main([*target, *flags])
+        generate_main(["--target", "t", "--prompt", "x", *flags])
     assert info.value.code == 2
     assert named in capsys.readouterr().err
+
+
+def test_generate_without_target_names_it_unless_an_engine_directory_is_given(capsys):
+    # --target became optional (an engine directory alone is enough); without either, one line names it
+    assert generate_main(["--prompt", "x"]) == 2
+    (line,) = _error_lines(capsys.readouterr().err)
+    assert "--backend torch needs --target DIR" in line
 
 
 @needs_small
