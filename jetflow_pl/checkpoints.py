@@ -111,6 +111,10 @@ def _load_draft_vocab(head, path: Path, files: list[Path]) -> None:
                         f"{path}: its d2t offsets are not a draft vocabulary: {err}"
                     ) from err
                 return
+    if int(head.config.draft_vocab_size) == int(head.config.vocab_size):
+        # vLLM's spelling of "no draft vocabulary" (a folder written for it): draft over every id
+        set_draft_vocab(head, None)
+        return
     # from_pretrained would leave the buffer uninitialised: the head would draft from garbage ids
     raise CheckpointError(
         f"{path}/config.json says draft_vocab_size={head.config.draft_vocab_size}, but its weights hold "

@@ -239,6 +239,16 @@ def test_an_engine_that_cannot_honour_a_draft_vocab_is_refused_in_one_line(
     assert config["draft_vocab_size"] == 0 and draft_vocab_of(load_draft_head(out)) is None
 
 
+def test_a_full_vocabulary_head_written_for_vllm_loads_back_as_one(tmp_path):
+    # vLLM reads draft_vocab_size 0 as a zero-row lm_head, so the folder says vocab_size; ours reads that back
+    assert export(SMALL_HEAD_DIR, tmp_path / "vllm", "vllm") == 0
+    assert json.loads((tmp_path / "vllm" / "config.json").read_text())["draft_vocab_size"] == VOCAB
+    head = load_draft_head(tmp_path / "vllm")
+    assert draft_vocab_of(head) is None and head.config.draft_vocab_size == 0
+    expected = load_draft_head(SMALL_HEAD_DIR).state_dict()
+    assert all(torch.equal(v, expected[k]) for k, v in head.state_dict().items())
+
+
 def test_a_bidirectional_head_stays_bidirectional_everywhere(tmp_path):
     head = DraftHead.from_pretrained(str(SMALL_HEAD_DIR))
     head.config.causal_head = False
