@@ -271,10 +271,11 @@ def engine_serve_command(engine: str, engine_dir: str | Path, target_dir: str | 
             f"python -m sglang.launch_server --model-path {target_dir} --speculative-algorithm DFLASH "
             f"--speculative-draft-model-path {engine_dir} --speculative-num-draft-tokens {int(block_size)}"
         )
-    if engine == "llamacpp":  # its converter takes the HF folder (and the target's tokenizer)
+    if engine == "llamacpp":  # llama.cpp's own converter, for the target and (with its tokenizer) the head
         return (
+            f"python convert_hf_to_gguf.py {target_dir} --outfile target.gguf && "
             f"python convert_hf_to_gguf.py {engine_dir} --target-model-dir {target_dir} --outfile head.gguf && "
-            f"llama-server -m TARGET.gguf -md head.gguf --spec-type draft-dflash --spec-draft-n-max {k}"
+            f"llama-server -m target.gguf -md head.gguf --spec-type draft-dflash --spec-draft-n-max {k}"
         )
     # jetspec's folder is our own format: the tree runtime here serves it
     return f"jetflow-serve --target {target_dir} --head {engine_dir}"
