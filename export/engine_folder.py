@@ -33,13 +33,15 @@ class EngineFolderSettings:
 
 
 def _read_head(head_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    check_safetensors_dir(head_dir, "draft head")
+    files = check_safetensors_dir(head_dir, "draft head")
     config_path = head_dir / "config.json"
     if not config_path.is_file():
         raise UserInputError(f"draft head folder {head_dir} has no config.json")
     config = json.loads(config_path.read_text())
-    with safe_open(str(head_dir / "model.safetensors"), framework="pt") as f:
-        state = {k: f.get_tensor(k) for k in f.keys()}
+    state: dict[str, torch.Tensor] = {}
+    for file in files:  # one file, or the shards of an index
+        with safe_open(str(file), framework="pt") as f:
+            state.update({k: f.get_tensor(k) for k in f.keys()})
     return config, state
 
 
