@@ -136,7 +136,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"engine directory written: {out}")
     backend = "tensorrt --device cuda" if args.engine else "onnxruntime"
     print(f"serve it with:\n  jetflow-serve --engine-dir {out} --backend {backend}")
-    print("the head on vLLM / SGLang / llama.cpp: jetflow-export --format vllm|sglang|llamacpp (docs/SCALE_OUT.md)")
+    print(
+        "the head on vLLM / SGLang / llama.cpp: jetflow-export --format vllm|sglang|llamacpp (docs/SCALE_OUT.md)"
+    )
     return 0
 
 
