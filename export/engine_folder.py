@@ -1,8 +1,9 @@
 """`jetflow-export --format vllm|sglang|jetspec|llamacpp`: a head folder that engine's DFlash loader reads as we mean it.
 
 The rules per engine, and why there is one folder per engine, are in `jetflow_pl.head.engine_formats`.
-This module only does the I/O: read our head folder, take the draft vocabulary's lm_head rows from the
-target (vLLM, llama.cpp) and the mask token's text from its tokenizer (SGLang), write `config.json` and
+This module only does the I/O: load the head and the target with the ONNX export's load-and-check
+(`load_pair`: the head must fit the target), take the draft vocabulary's lm_head rows from the target
+(vLLM, llama.cpp) and the mask token's text from its tokenizer (SGLang), write `config.json` and
 `model.safetensors` atomically (a staging folder renamed into place), plus a `SERVE.md` with the command.
 """
 
@@ -13,13 +14,17 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from jetflow_pl.checkpoints import check_safetensors_dir
+from export.onnx_export import load_pair
 from jetflow_pl.errors import UserInputError
-from jetflow_pl.head.engine_formats import ENGINES, engine_config, engine_serve_command, engine_weights
+from jetflow_pl.head.engine_formats import (
+    ENGINES,
+    check_engine,
+    engine_config,
+    engine_serve_command,
+    engine_weights,
+)
 
 
 @dataclass
@@ -32,26 +37,12 @@ class EngineFolderSettings:
     overwrite: bool = False
 
 
-def _read_head(head_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    files = check_safetensors_dir(head_dir, "draft head")
-    config_path = head_dir / "config.json"
-    if not config_path.is_file():
+def _saved_config(head_dir: Path) -> dict:
+    """The head's `config.json` as saved (what the engine's config is derived from)."""
+    path = head_dir / "config.json"
+    if not path.is_file():
         raise UserInputError(f"draft head folder {head_dir} has no config.json")
-    config = json.loads(config_path.read_text())
-    state: dict[str, torch.Tensor] = {}
-    for file in files:  # one file, or the shards of an index
-        with safe_open(str(file), framework="pt") as f:
-            state.update({k: f.get_tensor(k) for k in f.keys()})
-    return config, state
-
-
-def _target_lm_head(target_dir: Path) -> torch.Tensor:
-    """The target's `[V, H]` lm_head weight (its tied embedding where it has no own lm_head), read
-    through the one model loader."""
-    from jetflow_pl.target import TargetModel
-
-    target = TargetModel.from_pretrained(target_dir)
-    return target.model.get_output_embeddings().weight.detach()
+    return json.loads(path.read_text())
 
 
 def _mask_token(target_dir: Path, mask_id: int) -> str:
@@ -75,20 +66,15 @@ def write_engine_folder(s: EngineFolderSettings) -> str:
         raise UserInputError(f"--format {s.engine!r}: choose one of {', '.join(ENGINES)} (or onnx)")
     if s.out.exists() and not s.overwrite:
         raise UserInputError(f"output folder {s.out} already exists; pass --overwrite to replace it")
-    config, state = _read_head(s.head)
-    # check what the engine can honour before loading the target (seconds to minutes)
-    dflash = config.get("dflash_config") or {}
-    mask_id = dflash.get("mask_token_id")
-    engine_config(config, s.engine, mask_token="" if s.engine == "sglang" else None, full_vocab=s.full_vocab)
-    needs_rows = s.engine in ("vllm", "llamacpp") and "draft_vocab" in state
-    lm_head = _target_lm_head(s.target) if needs_rows else None
-    mask_token = _mask_token(s.target, mask_id) if s.engine == "sglang" and mask_id is not None else None
-    if lm_head is not None and int(lm_head.shape[0]) != int(config["vocab_size"]):
-        raise UserInputError(
-            f"the target's lm_head has {lm_head.shape[0]} rows, the head's vocab_size is {config['vocab_size']}"
-        )
+    config = _saved_config(s.head)
+    check_engine(config, s.engine, s.full_vocab)  # refuse before loading the target (seconds to minutes)
+    # the export's one load-and-check: the head (its stored dtype, a d2t folder too) fits the target
+    head, target = load_pair(s.head, s.target)
+    mask_id = config["dflash_config"]["mask_token_id"]
+    mask_token = _mask_token(s.target, mask_id) if s.engine == "sglang" else None
     out_config = engine_config(config, s.engine, mask_token=mask_token, full_vocab=s.full_vocab)
-    tensors = engine_weights(state, s.engine, lm_head, full_vocab=s.full_vocab)
+    lm_head = target.model.get_output_embeddings().weight.detach()
+    tensors = engine_weights(head.state_dict(), s.engine, lm_head, full_vocab=s.full_vocab)
     stage = s.out.with_name(s.out.name + ".partial")
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)

@@ -9,6 +9,7 @@ test_vllm_interop.py); here each loader's rule (`engine_formats.LOADER_RULES`) i
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -261,6 +262,16 @@ def test_a_bidirectional_head_stays_bidirectional_everywhere(tmp_path):
         if engine in ("vllm", "llamacpp"):
             assert cfg["is_causal"] is False and cfg["dflash_config"]["causal"] is False
             assert cfg["architectures"] == ["DFlashDraftModel"]  # no draft vocabulary: the plain class
+
+
+def test_a_head_for_another_target_is_refused(tmp_path, capsys):
+    # the export's load-and-check (export.onnx_export.load_pair) runs for every --format
+    shutil.copytree(SMALL_HEAD_DIR, tmp_path / "head")
+    cfg = json.loads((tmp_path / "head" / "config.json").read_text())
+    cfg["num_target_layers"] = 99
+    (tmp_path / "head" / "config.json").write_text(json.dumps(cfg))
+    assert export(tmp_path / "head", tmp_path / "out", "vllm") == 2
+    assert "does not fit the target" in capsys.readouterr().err and not (tmp_path / "out").exists()
 
 
 def test_existing_output_is_kept_without_overwrite(tmp_path, capsys):

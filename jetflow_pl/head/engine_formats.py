@@ -165,29 +165,20 @@ def draft_vocab_from_d2t(d2t: Tensor) -> Tensor:
 # ---- config and weights per engine -------------------------------------------------------------------
 
 
-def engine_config(
-    config: Mapping[str, Any], engine: str, *, mask_token: str | None = None, full_vocab: bool = False
-) -> dict[str, Any]:
-    """The `config.json` dict of a head for `engine`, from our saved `config` dict.
-
-    `mask_token` (SGLang): the text the target's tokenizer maps to `mask_token_id`. `full_vocab`: write a
-    head with a draft vocabulary for an engine that cannot honour one (it drafts over every id).
-    Raises `EngineFormatError` where the engine would misread the head.
-    """
+def check_engine(config: Mapping[str, Any], engine: str, full_vocab: bool = False) -> None:
+    """Raise `EngineFormatError` (one line) where `engine` would misread the head of our saved `config`
+    dict; cheap, so callers run it before loading the target. `full_vocab`: see `engine_config`."""
     rules_for(engine)  # validates the name
-    out = copy.deepcopy(dict(config))
-    dflash = dict(out.get("dflash_config") or {})
-    causal = bool(dflash.get("causal_head", True))
-    vocab = int(out["vocab_size"])
-    draft = int(out.get("draft_vocab_size") or 0)
-    hidden = int(out["hidden_size"])
+    dflash = dict(config.get("dflash_config") or {})
+    vocab = int(config["vocab_size"])
+    draft = int(config.get("draft_vocab_size") or 0)
+    hidden = int(config["hidden_size"])
     target_hidden = int(dflash.get("target_hidden_size") or hidden)
-    layers = int(out["num_hidden_layers"])
     if dflash.get("mask_token_id") is None:
         raise EngineFormatError("the head has no dflash_config.mask_token_id: every engine feeds that id")
-    if any(t != "full_attention" for t in out.get("layer_types") or []):
+    if any(t != "full_attention" for t in config.get("layer_types") or []):
         raise EngineFormatError(
-            f"layer_types {out.get('layer_types')}: a jetflow head attends over its whole context on "
+            f"layer_types {config.get('layer_types')}: a jetflow head attends over its whole context on "
             "every layer; a config naming other layer types was not written by it"
         )
     if engine in ("sglang", "jetspec") and 0 < draft < vocab and not full_vocab:
@@ -201,6 +192,25 @@ def engine_config(
             f"JetSpec builds fc as taps x hidden_size and adds a random adapter when target_hidden_size "
             f"({target_hidden}) != hidden_size ({hidden}): the head's fc would not load"
         )
+
+
+def engine_config(
+    config: Mapping[str, Any], engine: str, *, mask_token: str | None = None, full_vocab: bool = False
+) -> dict[str, Any]:
+    """The `config.json` dict of a head for `engine`, from our saved `config` dict.
+
+    `mask_token` (SGLang): the text the target's tokenizer maps to `mask_token_id`. `full_vocab`: write a
+    head with a draft vocabulary for an engine that cannot honour one (it drafts over every id).
+    Raises `EngineFormatError` where the engine would misread the head (`check_engine`).
+    """
+    check_engine(config, engine, full_vocab)
+    out = copy.deepcopy(dict(config))
+    dflash = dict(out.get("dflash_config") or {})
+    causal = bool(dflash.get("causal_head", True))
+    vocab = int(out["vocab_size"])
+    draft = int(out.get("draft_vocab_size") or 0)
+    target_hidden = int(dflash.get("target_hidden_size") or out["hidden_size"])
+    layers = int(out["num_hidden_layers"])
     out["layer_types"] = ["full_attention"] * layers
     # transformers-4.x loaders (JetSpec's) read the RoPE base only at the top level, and a head saved
     # before the saved format carried it there would otherwise draft at base 1e4
