@@ -25,7 +25,10 @@ _DOC = (
     "[B,Hkv,P,d]: rows [0, past_lengths[b]) visible from every row of request b (all P rows without "
     "past_lengths); key/value [B,Hkv,N,d] visible where bit j of packed_mask[b, i] is set (int32 "
     "[N, ceil(N/32)] shared by the batch or [B, N, ceil(N/32)] per request, LSB first); optional "
-    "past_lengths int32 [B]; a row that sees nothing is 0; output [B,Hq,N,d]."
+    "past_lengths int32 [B]; a row that sees nothing is 0; output [B,Hq,N,d]. window > 0 (a sliding-window "
+    "layer): row i, at position past_len + depth(i) with depth(i) = popcount(mask row i) - 1, also loses every "
+    "key whose position k has pos(i) - k >= window (prefix row p at position p, tree row t at past_len + "
+    "depth(t))."
 )
 
 
@@ -53,6 +56,7 @@ def _schema() -> OpSchema:
             attr("num_heads", OpSchema.AttrType.INT, "query heads Hq"),
             attr("num_kv_heads", OpSchema.AttrType.INT, "key/value heads Hkv (GQA when < Hq)"),
             attr("head_size", OpSchema.AttrType.INT, "head dimension d"),
+            attr("window", OpSchema.AttrType.INT, "sliding window (0: none)", required=False),
             attr("plugin_version", OpSchema.AttrType.STRING, "TensorRT plugin version"),
             attr("plugin_namespace", OpSchema.AttrType.STRING, "TensorRT plugin namespace"),
         ],
@@ -72,15 +76,18 @@ _TREE_ATTENTION = onnxscript.values.Op(_JETFLOW, TREE_ATTENTION_OP)
 
 
 def tree_attention_to_onnx(
-    query, past_key, past_value, key, value, packed_mask, scale: float, past_lengths=None
+    query, past_key, past_value, key, value, packed_mask, scale: float, past_lengths=None, window: int = 0
 ):
     """Translation of `jetflow::tree_attention` (torch.onnx dynamo exporter): one TreeAttention node, with
-    6 inputs (batch-1 form: every prefix row visible) or 7 (`past_lengths` per request)."""
+    6 inputs (batch-1 form: every prefix row visible) or 7 (`past_lengths` per request). The `window`
+    attribute is written only on sliding-window layers, so graphs of full-attention models are unchanged."""
     inputs = [query, past_key, past_value, key, value, packed_mask]
     if past_lengths is not None:
         inputs.append(past_lengths)
+    extra = {"window": int(window)} if window else {}
     return _TREE_ATTENTION(
         *inputs,
+        **extra,
         scale=float(scale),
         num_heads=int(query.shape[1]),
         num_kv_heads=int(key.shape[1]),

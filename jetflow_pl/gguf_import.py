@@ -46,7 +46,7 @@ MARKER_FILE = "jetflow_gguf_import.json"
 #: GGUF `general.architecture` values this importer converts. They map onto transformers model types that
 #: `jetflow_pl.target.SUPPORTED_MODEL_TYPES` accepts (llama.cpp labels Mistral files "llama"; transformers
 #: turns them into model type "mistral" from the file's name, and the loaded config is checked again).
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 
 _HASH_CHUNK = 1 << 22
 

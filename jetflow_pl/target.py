@@ -22,7 +22,7 @@ from jetflow_pl.errors import MissingPathError, UserInputError
 
 #: Architectures whose module layout (`model.layers`, `model.norm`, `model.embed_tokens`, `lm_head`) and
 #: cache semantics this wrapper has been checked against.
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral", "gemma3_text")
 
 LogitsPositions = torch.Tensor | Literal["all", "last"] | None
 
@@ -59,6 +59,10 @@ def _read_config(path: Path) -> PretrainedConfig:
         raise UserInputError(f"cannot read the model config in {path}: {err}") from err
 
 
+#: attention layer kinds a target may mix: global causal layers and causal sliding-window layers
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
 def check_supported(config: PretrainedConfig, where: str = "target") -> None:
     """Reject architectures this wrapper does not know, with one clear message."""
     model_type = getattr(config, "model_type", None)
@@ -69,6 +73,48 @@ def check_supported(config: PretrainedConfig, where: str = "target") -> None:
         )
     if getattr(config, "is_encoder_decoder", False):
         raise UserInputError(f"{where} is an encoder-decoder model; a decoder-only causal LM is required")
+    unknown = sorted(set(getattr(config, "layer_types", None) or ()) - set(SUPPORTED_LAYER_TYPES))
+    if unknown:
+        raise UserInputError(
+            f"unsupported {where} attention layer types {unknown}: jetflow_pl supports "
+            f"{', '.join(SUPPORTED_LAYER_TYPES)}"
+        )
+    if getattr(config, "use_bidirectional_attention", False):
+        raise UserInputError(f"{where} uses bidirectional attention; a causal LM is required")
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if getattr(config, key, None) is not None:
+            raise UserInputError(
+                f"{where} sets {key}={getattr(config, key)}: soft-capped logits are not supported "
+                "(the verify and the exported graphs compute plain logits)"
+            )
+
+
+def layer_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
+    """Per decoder layer, the sliding window transformers applies to it, or None for a global layer.
+
+    The rule (transformers' `sliding_window_overlay`): a key at position `k` is visible from a query at
+    position `q` iff `k <= q` and `q - k < window`. Layers come from `layer_types` where the config has
+    them (Gemma 3, Qwen2/3 with `use_sliding_window`); Mistral applies `sliding_window` to every layer.
+    """
+    n = int(config.num_hidden_layers)
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types:
+        return tuple(int(window) if t == "sliding_attention" and window else None for t in types)
+    if config.model_type == "mistral" and window:
+        return (int(window),) * n
+    return (None,) * n
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """HF-style 4D additive mask `[R, 1, N, S]`: 0 where visible, `finfo(dtype).min` elsewhere."""
+    out = torch.full(visible.shape, torch.finfo(dtype).min, dtype=dtype, device=visible.device)
+    return out.masked_fill_(visible, 0.0).unsqueeze(1)
+
+
+def within_window(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """bool `[R, N, S]`: `q - k < window` for query positions `[R, N]` and key positions `[R, S]`."""
+    return (query_positions.unsqueeze(-1) - key_positions.unsqueeze(-2)) < window
 
 
 class TargetModel(nn.Module):
@@ -146,6 +192,36 @@ class TargetModel(nn.Module):
     @property
     def config(self) -> PretrainedConfig:
         return self.model.config
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Per decoder layer, its sliding window or None (global); see `layer_windows`."""
+        return layer_windows(self.config)
+
+    def verify_mask(
+        self, visible: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The `attention_mask` argument of a tree verify: what each new row sees, per layer kind.
+
+        visible: bool `[R, N, S]` (its prefix and its tree's ancestors-or-self), query_positions `[R, N]`,
+        key_positions `[R, S]` (the positions of the `S` cache-then-new rows). Why not one 4D mask: a
+        custom 4D mask reaches every layer as it is, so transformers would not apply a sliding window; on a
+        window layer a node must also lose the keys at or past its window (`within_window`), or the verify
+        would compute logits the model never computes. Models that mix layer kinds take a mask per kind
+        (`{"full_attention": ..., "sliding_attention": ...}`, as their forward accepts); a model whose every
+        layer slides (Mistral) takes the windowed mask alone.
+        """
+        dtype = self.dtype
+        windows = {w for w in self.windows if w is not None}
+        if not windows:
+            return additive_mask(visible, dtype)
+        if len(windows) > 1:  # no supported model has two window sizes
+            raise UserInputError(f"the target mixes sliding windows {sorted(windows)}: not supported")
+        window = windows.pop()
+        near = visible & within_window(query_positions, key_positions, window)
+        if all(w is not None for w in self.windows):
+            return additive_mask(near, dtype)
+        return {"full_attention": additive_mask(visible, dtype), "sliding_attention": additive_mask(near, dtype)}
 
     @property
     def num_layers(self) -> int:

@@ -180,7 +180,7 @@ class DraftHeadConfig(Qwen3Config):
         """A head config matching `target_config` (any HF decoder config, e.g. Qwen3 or Llama).
 
         Copies hidden size, attention/kv heads, head_dim, intermediate size, hidden_act, RoPE
-        parameters, rms eps, vocab size, max positions and special token ids from the target.
+        parameters (a target with one RoPE per layer kind gives its global layers'), rms eps, vocab size, max positions and special token ids from the target.
         `mask_token_id` falls back to `target_config.mask_token_id`; one of them must be set.
         `target_layer_ids` defaults to `default_target_layer_ids(L_target, num_hidden_layers)`.
         `overrides` are passed to the constructor last (e.g. `intermediate_size=...`, `dtype=...`).
@@ -201,6 +201,8 @@ class DraftHeadConfig(Qwen3Config):
         rope = _get(tc, "rope_parameters")
         if rope is None:
             rope = {"rope_type": "default", "rope_theta": float(_get(tc, "rope_theta", 10000.0))}
+        if "full_attention" in rope:  # one RoPE per layer kind (Gemma 3): the head attends globally
+            rope = rope["full_attention"]
         kwargs: dict[str, Any] = dict(
             vocab_size=int(tc.vocab_size),
             hidden_size=H,

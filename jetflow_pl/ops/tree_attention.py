@@ -7,6 +7,13 @@ Semantics (docs/DESIGN.md sections 4-5). Per request `b` and query head `h` (KV 
 
 and `out[b, h, i] = 0` when that set is empty. Requests never see each other.
 
+With a sliding `window > 0` (a target's sliding-window layers: Gemma 3, Mistral), row `i` also loses every
+key at or past its window: with `pos(i) = past_len[b] + depth(i)`, `depth(i)` = (bits set in row `i`) - 1
+(a row sees its ancestors-or-self, so its popcount is its depth + 1), prefix row `p` at position `p` and tree
+row `t` at `past_len[b] + depth(t)`, a key at position `k` stays visible iff `pos(i) - k < window`
+(transformers' `sliding_window_overlay`). The positions are implied by the mask, as TensorRT-LLM's
+`position_offsets` are the tree depths, so the window needs no input of its own: it is an attribute.
+
 Arguments (positional order is the ONNX node's and the TensorRT plugin's input order):
     query         [B, Hq,  N, d]  fp32 / fp16 / bf16; the new rows (tree nodes, draft-block rows, a chain)
     past_key      [B, Hkv, P, d]  the KV prefix, P >= 0 rows per request (P may be 0)
@@ -20,6 +27,7 @@ Arguments (positional order is the ONNX node's and the TensorRT plugin's input o
     past_lengths  optional int32 [B]: request b's prefix is rows [0, past_lengths[b]) of past_key /
                   past_value; rows at or past it are padding, never read (NaN there cannot leak). Values
                   are clamped to [0, P]. None (the batch-1 form): all P rows are visible.
+    window        int >= 0: the sliding window (0: none, a global layer); see above
     returns       [B, Hq, N, d], the query's dtype.
 
 Padding of a batch (requests with fewer than N nodes, TensorRT-LLM's generation lengths): rows past a
@@ -120,6 +128,25 @@ def prefix_valid(past_lengths: Tensor, num_past: int | torch.SymInt) -> Tensor:
     return rows.unsqueeze(0) < past_lengths.to(torch.int64).unsqueeze(1)
 
 
+def window_visibility(
+    tree_visible: Tensor, num_past: int | torch.SymInt, past_lengths: Tensor | None, window: int
+) -> tuple[Tensor, Tensor]:
+    """bool (prefix `[B or 1, N, P]`, tree `[B or 1, N, N]`): which keys lie inside each row's sliding
+    `window` (module docstring), from the dense tree visibility `[N, N]` or `[B, N, N]` alone."""
+    if tree_visible.dim() == 2:
+        tree_visible = tree_visible.unsqueeze(0)
+    depth = tree_visible.to(torch.int64).sum(dim=-1) - 1  # [B or 1, N]
+    if past_lengths is None:
+        past = depth.new_zeros(1, 1) + num_past
+    else:
+        past = past_lengths.to(torch.int64).unsqueeze(1)  # [B, 1]
+    query_pos = past + depth  # [B or 1, N]
+    prefix_pos = torch.arange(num_past, dtype=torch.int64, device=tree_visible.device)
+    prefix_ok = (query_pos.unsqueeze(-1) - prefix_pos) < window
+    tree_ok = (depth.unsqueeze(-1) - depth.unsqueeze(-2)) < window
+    return prefix_ok, tree_ok
+
+
 def tree_attention_parts(
     query: Tensor,
     past_key: Tensor,
@@ -128,6 +155,7 @@ def tree_attention_parts(
     value: Tensor,
     packed_mask: Tensor,
     past_lengths: Tensor | None = None,
+    window: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The contract as dense attention inputs: K `[B,Hkv,P+N,d]`, V, visibility bool.
 
@@ -150,6 +178,11 @@ def tree_attention_parts(
         if tree_visible.dim() == 2:
             tree_visible = tree_visible.unsqueeze(0).expand(query.shape[0], n, n)
         prefix_visible = valid.unsqueeze(1).expand(query.shape[0], n, p)
+    if window > 0:
+        prefix_ok, tree_ok = window_visibility(tree_visible, p, past_lengths, window)
+        if prefix_visible.dim() == 2:  # keep the batch-1 form 2-D
+            prefix_ok, tree_ok = prefix_ok[0], tree_ok[0]
+        prefix_visible, tree_visible = prefix_visible & prefix_ok, tree_visible & tree_ok
     visible = torch.cat([prefix_visible, tree_visible], dim=-1)
     if visible.dim() == 3:
         visible = visible.unsqueeze(1)  # [B, 1, N, P+N]
@@ -186,10 +219,11 @@ def tree_attention_reference(
     packed_mask: Tensor,
     scale: float,
     past_lengths: Tensor | None = None,
+    window: int = 0,
 ) -> Tensor:
     """Reference implementation (SDPA with a dense boolean mask); see the module docstring."""
     keys, values, visible = tree_attention_parts(
-        query, past_key, past_value, key, value, packed_mask, past_lengths
+        query, past_key, past_value, key, value, packed_mask, past_lengths, window
     )
     return _zero_empty_rows(dense_attention(query, keys, values, visible, scale), visible)
 
@@ -203,6 +237,7 @@ def tree_attention_grouped(
     packed_mask: Tensor,
     scale: float,
     past_lengths: Tensor | None = None,
+    window: int = 0,
 ) -> Tensor:
     """The contract as the `portable` graphs compute it: the reference's result, written so an exported
     graph moves each KV row as few times as it can.
@@ -229,6 +264,10 @@ def tree_attention_grouped(
     tree_visible = packed_mask_to_dense(packed_mask, n)  # [N, N] or [B, N, N]
     if tree_visible.dim() == 2:
         tree_visible = tree_visible.unsqueeze(0)
+    window_prefix = None
+    if window > 0:  # [B or 1, N, P] / [B or 1, N, N]
+        window_prefix, window_tree = window_visibility(tree_visible, p, past_lengths, window)
+        tree_visible = tree_visible & window_tree
     # [B or 1, 1, G*N, N]: every query head of a KV head sees the request's tree rows alike
     tree_visible = tree_visible[:, None, None].expand(-1, 1, group, n, n).reshape(-1, 1, group * n, n)
     if past_lengths is None:  # every prefix row is visible
@@ -241,6 +280,11 @@ def tree_attention_grouped(
         )
         if tree_visible.shape[0] != b:  # one mask shared by the batch
             tree_visible = tree_visible.expand(b, 1, group * n, n)
+    if window_prefix is not None:  # [B or 1, 1, G*N, P]
+        window_prefix = window_prefix[:, None, None].expand(-1, 1, group, n, p).reshape(-1, 1, group * n, p)
+        prefix_visible = prefix_visible & window_prefix
+        if prefix_visible.shape[0] != tree_visible.shape[0]:
+            tree_visible = tree_visible.expand(prefix_visible.shape[0], 1, group * n, n)
     # visibility as bools over scores (`[B or 1, 1, G*N, P+N]`, no KV-sized tensor): one Where
     visible = torch.cat([prefix_visible, tree_visible], dim=-1)
     scores = torch.cat(
@@ -276,11 +320,12 @@ def tree_attention_via_masked_attention(
     packed_mask: Tensor,
     scale: float,
     past_lengths: Tensor | None = None,
+    window: int = 0,
 ) -> Tensor:
     """The contract with the mask unpacked in standard ops and the attention itself one `Attention` node
     (plus a `Where` that pins rows which see nothing to 0, whatever the runtime's Attention gives there)."""
     keys, values, visible = tree_attention_parts(
-        query, past_key, past_value, key, value, packed_mask, past_lengths
+        query, past_key, past_value, key, value, packed_mask, past_lengths, window
     )
     return _zero_empty_rows(masked_attention(query, keys, values, visible, scale), visible)
 
@@ -295,22 +340,30 @@ def tree_attention(
     packed_mask: Tensor,
     scale: float,
     past_lengths: Tensor | None = None,
+    window: int = 0,
 ) -> Tensor:
     """`torch.ops.jetflow.tree_attention`: an opaque node for export; computes the reference on eager."""
-    return tree_attention_reference(query, past_key, past_value, key, value, packed_mask, scale, past_lengths)
+    return tree_attention_reference(
+        query, past_key, past_value, key, value, packed_mask, scale, past_lengths, window
+    )
 
 
 @tree_attention.register_fake
-def _tree_attention_fake(query, past_key, past_value, key, value, packed_mask, scale, past_lengths=None):  # noqa: ARG001
+def _tree_attention_fake(
+    query, past_key, past_value, key, value, packed_mask, scale, past_lengths=None, window=0
+):  # noqa: ARG001
     return torch.empty_like(query)
 
 
 @tree_attention.register_kernel("cuda")
-def _tree_attention_cuda(query, past_key, past_value, key, value, packed_mask, scale, past_lengths=None):
-    """On CUDA tensors the op runs the Triton kernel (same contract), or the reference without Triton."""
+def _tree_attention_cuda(
+    query, past_key, past_value, key, value, packed_mask, scale, past_lengths=None, window=0
+):
+    """On CUDA tensors the op runs the Triton kernel (same contract), or the reference without Triton or
+    with a sliding window (the kernel has no window yet)."""
     from jetflow_pl.ops.triton_tree_attention import is_triton_available, tree_attention_triton
 
     args = (query, past_key, past_value, key, value, packed_mask, scale)
-    if is_triton_available():
+    if is_triton_available() and window == 0:
         return tree_attention_triton(*args, past_lengths=past_lengths)
-    return tree_attention_reference(*args, past_lengths)
+    return tree_attention_reference(*args, past_lengths, window)

@@ -48,13 +48,30 @@ def attention_for(variant: str) -> AttentionFn:
     raise ValueError(f"unknown export variant {variant!r}: expected 'plugin', 'portable' or 'attention'")
 
 
-def _check_target_exportable(target: TargetModel) -> None:
-    layer_types = getattr(target.config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
-        raise ValueError(
-            f"the target uses attention layer types {sorted(set(layer_types))}: only full attention "
-            "layers can be exported (sliding-window layers are not supported by TreeAttention)"
-        )
+def _rotary_tables(target: TargetModel, x: Tensor, position_ids: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """Per decoder layer, RoPE's (cos, sin) at `position_ids`: one table for a model with one RoPE, one
+    per layer kind for a model whose local and global layers have their own bases (Gemma 3)."""
+    rotary = target.model.model.rotary_emb
+    types = list(getattr(target.config, "layer_types", None) or ["full_attention"] * target.num_layers)
+    params = getattr(target.config, "rope_parameters", None) or {}
+    if "full_attention" not in params:  # one RoPE for every layer
+        table = rotary(x, position_ids)
+        return [table] * target.num_layers
+    tables = {kind: rotary(x, position_ids, kind) for kind in dict.fromkeys(types)}
+    return [tables[kind] for kind in types]
+
+
+def _layer_update(layer: nn.Module, x: Tensor, attention_out: Tensor) -> Tensor:
+    """The residual stream after a decoder layer, given its attention's output projection.
+
+    Llama/Qwen/Mistral: `x + attn; x + mlp(post_attention_layernorm(x))`. Gemma 3 ("sandwich" norms):
+    `x + post_attention_layernorm(attn); x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))`.
+    """
+    if hasattr(layer, "pre_feedforward_layernorm"):
+        x = x + layer.post_attention_layernorm(attention_out)
+        return x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
+    x = x + attention_out
+    return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
 class TargetVerifyGraph(nn.Module):
@@ -62,15 +79,15 @@ class TargetVerifyGraph(nn.Module):
 
     Inputs/outputs follow `contract.TARGET_INPUTS` / `TARGET_OUTPUTS`. Taps follow `TargetModel`: tap `i`
     is decoder layer `i`'s output, except the last layer, whose tap is the final-normed hidden state.
+    A sliding-window layer's attention carries its window (`TargetModel.windows`; the op derives each
+    row's position from the tree mask), so the graph needs no input beyond a full-attention model's.
     """
 
     def __init__(self, target: TargetModel, variant: str = "plugin") -> None:
         super().__init__()
-        _check_target_exportable(target)
         self.target = target
         self.attend = attention_for(variant)
-        decoder = target.model.model
-        self.rotary_emb = decoder.rotary_emb
+        self.windows = tuple(w or 0 for w in target.windows)
         first = target.layers[0].self_attn
         self.head_dim = int(first.head_dim)
         self.num_heads = int(target.config.num_attention_heads)
@@ -101,10 +118,11 @@ class TargetVerifyGraph(nn.Module):
         x = t.embed_tokens(input_ids)
         b, n = x.shape[0], x.shape[1]
         extra = () if past_lengths is None else (past_lengths,)
-        cos, sin = self.rotary_emb(x, position_ids)
+        rope = _rotary_tables(t, x, position_ids)
         new_k, new_v, taps = [], [], {}
         last = t.num_layers - 1
         for i, layer in enumerate(t.layers):
+            cos, sin = rope[i]
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             q = attn.q_proj(h).view(b, n, self.num_heads, self.head_dim)
@@ -114,9 +132,11 @@ class TargetVerifyGraph(nn.Module):
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            o = self.attend(q, past_keys[i], past_values[i], k, v, tree_mask, self.scaling, *extra)
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            window = {"window": self.windows[i]} if self.windows[i] else {}
+            o = self.attend(q, past_keys[i], past_values[i], k, v, tree_mask, self.scaling, *extra, **window)
+            x = _layer_update(
+                layer, x, attn.o_proj(o.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
+            )
             new_k.append(k)
             new_v.append(v)
             if i in self.tap_layer_ids and i != last:

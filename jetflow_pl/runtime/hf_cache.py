@@ -11,9 +11,17 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache
 
 
-def new_cache(config) -> DynamicCache:
-    """An empty growable cache for `config`'s model."""
-    return DynamicCache(config=config)
+def new_cache(config) -> DynamicCache:  # noqa: ARG001 - the config no longer shapes the cache
+    """An empty growable cache for `config`'s model, with every row of every layer kept.
+
+    Why not `DynamicCache(config=config)`: for a model with sliding-window layers (Gemma 3, Mistral,
+    Qwen2/3 with `use_sliding_window`) transformers then drops the rows that left the window, so a layer's
+    row `i` no longer holds position `i`, and tree staging and compaction (which index rows by position)
+    would keep the wrong rows. Here the window is applied by the attention mask alone
+    (`TargetModel.verify_mask`, transformers' own masks on a chain); the cost is the window layers' rows
+    beyond the window, kept in memory.
+    """
+    return DynamicCache()
 
 
 def cache_length(cache: Cache | None) -> int:
@@ -78,9 +86,10 @@ def set_layer_tensors(cache: Cache, tensors: list[torch.Tensor]) -> None:
 
 
 def cache_from_layer_tensors(config, tensors: list[torch.Tensor]) -> DynamicCache:
-    """A new cache holding `tensors` (`[k_0, v_0, k_1, v_1, ...]`, one pair per layer)."""
+    """A new cache holding `tensors` (`[k_0, v_0, k_1, v_1, ...]`, one pair per layer), every row kept
+    (`new_cache`)."""
     pairs = list(zip(tensors[0::2], tensors[1::2], strict=True))
-    return DynamicCache(ddp_cache_data=pairs, config=config)
+    return DynamicCache(ddp_cache_data=pairs)
 
 
 def select_batch(cache: Cache, rows: torch.Tensor) -> None:

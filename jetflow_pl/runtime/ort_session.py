@@ -46,24 +46,25 @@ def _register_tree_attention_pyop() -> None:
         "num_heads": dt.dt_int64,
         "num_kv_heads": dt.dt_int64,
         "head_size": dt.dt_int64,
+        "window": dt.dt_int64,
         "plugin_version": dt.dt_string,
         "plugin_namespace": dt.dt_string,
     }
 
-    def run(arrays, scale: float, past_lengths=None):
+    def run(arrays, scale: float, past_lengths=None, window: int = 0):
         tensors = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays[:5]]
         mask = torch.from_numpy(np.ascontiguousarray(arrays[5], dtype=np.int32))
         lengths = None
         if past_lengths is not None:
             lengths = torch.from_numpy(np.ascontiguousarray(past_lengths, dtype=np.int32))
         with torch.no_grad():
-            return tree_attention_reference(*tensors, mask, float(scale), lengths).numpy()
+            return tree_attention_reference(*tensors, mask, float(scale), lengths, int(window)).numpy()
 
     inputs = [dt.dt_float] * 5 + [dt.dt_int32]
 
     @onnx_op(op_type=TREE_ATTENTION_OP, domain=PYOP_DOMAIN, inputs=inputs, outputs=[dt.dt_float], attrs=attrs)
     def tree_attention_pyop(query, past_key, past_value, key, value, packed_mask, **kw):
-        return run((query, past_key, past_value, key, value, packed_mask), kw["scale"])
+        return run((query, past_key, past_value, key, value, packed_mask), kw["scale"], None, kw["window"])
 
     @onnx_op(
         op_type=PYOP_WITH_LENGTHS,
@@ -73,7 +74,7 @@ def _register_tree_attention_pyop() -> None:
         attrs=attrs,
     )
     def tree_attention_lengths_pyop(query, past_key, past_value, key, value, packed_mask, past_lengths, **kw):
-        return run((query, past_key, past_value, key, value, packed_mask), kw["scale"], past_lengths)
+        return run((query, past_key, past_value, key, value, packed_mask), kw["scale"], past_lengths, kw["window"])
 
     _PYOP_REGISTERED = True
 
@@ -83,10 +84,13 @@ def uses_tree_attention_nodes(model: onnx.ModelProto) -> bool:
 
 
 def _retarget_domain(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Move `jetflow` nodes (and the opset import) into onnxruntime-extensions' domain, in memory."""
+    """Move `jetflow` nodes (and the opset import) into onnxruntime-extensions' domain, in memory; a node
+    without the optional `window` attribute (a global layer) gets `window=0`, which the Python op reads."""
     for node in model.graph.node:
         if node.domain == TREE_ATTENTION_DOMAIN:
             node.domain = PYOP_DOMAIN
+            if not any(a.name == "window" for a in node.attribute):
+                node.attribute.append(onnx.helper.make_attribute("window", 0))
             if len(node.input) == 7:
                 node.op_type = PYOP_WITH_LENGTHS
     imports = [o for o in model.opset_import if o.domain != TREE_ATTENTION_DOMAIN]

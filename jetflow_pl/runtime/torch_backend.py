@@ -36,12 +36,6 @@ def tree_batch_visibility(step: TargetStep, padded: int) -> Tensor:
     return torch.cat([prefix.unsqueeze(1).expand(-1, n, -1), tree], dim=-1)
 
 
-def additive_mask(visible: Tensor, dtype: torch.dtype) -> Tensor:
-    """HF-style 4D additive mask `[R, 1, N, S]`: 0 where visible, `finfo(dtype).min` elsewhere."""
-    out = torch.full(visible.shape, torch.finfo(dtype).min, dtype=dtype, device=visible.device)
-    return out.masked_fill_(visible, 0.0).unsqueeze(1)
-
-
 class TorchBackend(SequenceBackend):
     """Target + optional head on one device. Batch size 1; state lives between `prefill` calls.
 
@@ -102,11 +96,16 @@ class TorchBackend(SequenceBackend):
         if step.chain and group.size == 1:  # a chain after the cache: the model's own causal mask
             out = self.target(ids, cache=cache, logits_positions=logits_at)
         else:
-            if group.size == 1 and step.trees is not None:  # one tree, its prefix whole: as before batching
+            windowed = any(w is not None for w in self.target.windows)
+            if group.size == 1 and step.trees is not None and not windowed:  # one tree, its prefix whole
                 mask = step.trees[0].additive_mask(group.padded, self.target.dtype).to(self.device)
             else:
                 visible = tree_batch_visibility(step, group.padded).to(self.device)
-                mask = additive_mask(visible, self.target.dtype)
+                positions = step.positions.to(self.device, torch.long)
+                prefix = torch.arange(group.padded, device=self.device).expand(positions.shape[0], -1)
+                # cache row p of every request holds position p (compaction keeps the committed rows in
+                # order), the new rows sit at their tree positions
+                mask = self.target.verify_mask(visible, positions, torch.cat([prefix, positions], dim=1))
             out = self.target(
                 ids,
                 position_ids=step.positions.to(self.device),
