@@ -342,6 +342,13 @@ def build_engines(
             "from the batch-1 graphs (the TensorRT backend decodes one request per forward); re-export "
             "without --max-batch for --engine"
         )
+    windows = [int(w) for w in config.get("target", {}).get("sliding_windows", []) if w]
+    if windows and config["variant"] == "plugin":
+        raise UserInputError(
+            f"{engine_dir}: the target has sliding-window layers (window {windows[0]}) and the TreeAttention "
+            "plugin's kernel has no window yet (the `window` attribute of its contract): export --variant "
+            "attention (the window is in the mask the IAttention layer reads) or --variant portable"
+        )
     plugin = resolve_plugin_lib(plugin_lib, config["variant"])
     trt = import_tensorrt()
     limits = ProfileLimits.make(

@@ -94,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--turns", type=int_at_least(1), default=2, help="user turns answered per conversation")
     p.add_argument(
+        "--no-chat-template",
+        action="store_true",
+        help="a base model: continue each first user turn as plain text (implies one turn)",
+    )
+    p.add_argument(
         "--budget",
         action="append",
         type=parse_budget,
@@ -224,6 +229,8 @@ def _configs(
 
 def run(args: argparse.Namespace) -> int:
     check_device(args.device)
+    if args.no_chat_template:
+        args.turns = 1
     conversations, reports = _load_conversations(args)
     target = TargetModel.from_pretrained(args.target, device=args.device)
     tokenizer = load_tokenizer(args.target)
@@ -252,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         max_context=args.max_context or target.config.max_position_embeddings,
         on_turn=lambda rec: bar.update(1),
+        chat=not args.no_chat_template,
     )
     bar.close()
     if not records:

@@ -28,6 +28,7 @@ from typing import Any
 
 from jetflow_pl.chat import continue_chat, row_conversation
 from jetflow_pl.decoding import GenerationResult, SamplingConfig
+from jetflow_pl.errors import UserInputError
 
 #: positions reported by `accept_rate_per_position` at most (deeper paths are rare and noisy)
 MAX_POSITIONS = 16
@@ -155,14 +156,18 @@ def evaluate_conversations(
     repeats: int = 1,
     max_context: int | None = None,
     on_turn: Callable[[TurnRecord], None] | None = None,
+    chat: bool = True,
 ) -> tuple[list[TurnRecord], Counter]:
     """Decode every turn of every conversation with `ar` and each of `configs` (module docstring).
+
+    `chat=False` (a base model): each conversation's first user turn is tokenized as plain text and
+    continued; it has no later turns (a chat needs the template).
 
     Returns the turn records and the count of turns skipped, by reason (a turn whose prompt plus
     `max_new_tokens` exceeds `max_context` ends its conversation there). `on_turn` is called after each
     turn (progress).
     """
-    from jetflow_pl.chat import chat_ids
+    from jetflow_pl.chat import chat_ids, encode_prompt
 
     stops = [int(s) for s in stop_ids]
     sampling = SamplingConfig()  # greedy: the lossless check compares tokens
@@ -171,7 +176,15 @@ def evaluate_conversations(
     skipped: Counter = Counter()
     turn_no = 0
     for conv in conversations:
-        ids = chat_ids(tokenizer, conv.first)
+        if not chat and conv.later:
+            raise UserInputError(
+                "plain-text prompts (no chat template) are answered one turn each: --turns 1"
+            )
+        ids = (
+            chat_ids(tokenizer, conv.first)
+            if chat
+            else encode_prompt(tokenizer, conv.first[-1]["content"], chat=False)
+        )
         answer: list[int] = []
         for t in range(1 + len(conv.later)):
             if t > 0:

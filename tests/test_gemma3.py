@@ -1,6 +1,6 @@
 """Gemma 3 (sliding-window layers) as a target: lossless where the window bites, on torch and ONNX Runtime.
 
-The tiny random Gemma 3 (`tiny_gemma3.py`) has a window of 8 positions, so prompts plus 60 new tokens cross
+The tiny random Gemma 3 (`tiny_targets.py`) has a window of 8 positions, so prompts plus 60 new tokens cross
 it many times. Three levels, each with a control that shows the check would catch the window ignored:
 the TreeAttention op against the rule written out by hand; one tree verify against transformers' own
 forward over every node's path; whole decodes (AR, speculative at several budgets, forced deep acceptance
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_gemma3 import TINY_LAYER_TYPES, TINY_WINDOW, build_tiny_gemma3
 from tiny_heads import perturbed_head
+from tiny_targets import TINY_LAYER_TYPES, TINY_WINDOW, build_tiny_gemma3
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
 
 from jetflow_pl.decoding import ARGenerator, SpeculativeGenerator
@@ -252,7 +252,7 @@ def test_a_batch_of_two_requests_decodes_each_as_alone(gemma):
     assert [o[:NEW_TOKENS] for o in outs] == want
 
 
-@pytest.mark.parametrize("variant", ["portable", "plugin"])
+@pytest.mark.parametrize("variant", ["portable", "plugin", "attention"])
 def test_exported_graphs_decode_equal_hf_generate_on_onnx_runtime(gemma, gemma_dir, tmp_path, variant):
     """Export (its parity checks run inside) and decode on ONNX Runtime: AR, speculative, forced deep
     acceptance; the verify graph's TreeAttention nodes carry the window on exactly the local layers."""
@@ -273,6 +273,11 @@ def test_exported_graphs_decode_equal_hf_generate_on_onnx_runtime(gemma, gemma_d
         nodes = [n for n in onnx.load(str(out / TARGET_GRAPH)).graph.node if n.op_type == "TreeAttention"]
         windows = [next((a.i for a in n.attribute if a.name == "window"), 0) for n in nodes]
         assert windows == [TINY_WINDOW if t == "sliding_attention" else 0 for t in TINY_LAYER_TYPES]
+        # the TensorRT plugin's kernel has no window: building engines from these graphs is refused first
+        from export.tensorrt_build import build_engines
+
+        with pytest.raises(UserInputError, match="sliding-window layers .* --variant attention"):
+            build_engines(out)
     backend = load_backend("onnxruntime", engine_dir=out)
     assert [ARGenerator(backend).generate(p, NEW_TOKENS).tokens for p in prompts] == refs
     gen = SpeculativeGenerator(backend, budget=16, width=4)

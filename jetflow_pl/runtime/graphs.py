@@ -339,6 +339,8 @@ def pair_config(head: DraftHead, target: TargetModel, topk: int) -> dict[str, An
             "num_kv_heads": int(cfg.num_key_value_heads),
             "head_dim": int(target.layers[0].self_attn.head_dim),
             "hidden_size": target.hidden_size,
+            # per layer: its sliding window, 0 for a global layer (carried by the TreeAttention nodes)
+            "sliding_windows": [int(w or 0) for w in target.windows],
         },
         "head": {
             "num_layers": len(head.layers),
