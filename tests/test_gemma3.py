@@ -283,3 +283,39 @@ def test_exported_graphs_decode_equal_hf_generate_on_onnx_runtime(gemma, gemma_d
     gen = SpeculativeGenerator(backend, budget=16, width=4)
     assert [gen.generate(p, NEW_TOKENS).tokens for p in prompts] == refs
     assert [_forced_decode(backend, p, r) for p, r in zip(prompts, refs, strict=True)] == refs
+
+
+def test_served_concurrently_each_request_equals_hf_generate(gemma, gemma_dir):
+    """A real server on 127.0.0.1 (continuous batching over the torch backend): three concurrent
+    completions with token-id prompts of different lengths, so each engine step verifies a batch whose
+    requests sit at different positions relative to their windows; each answer is HF `generate()`'s."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+    from transformers import AutoTokenizer
+
+    from jetflow_pl.serve.app import ServeConfig, create_app
+    from jetflow_pl.serve.driver import EngineDriver
+    from jetflow_pl.serve.runner import ServerThread
+
+    target, _, prompts, refs = gemma
+    backend = TorchBackend(target, perturbed_head(target, MASK_ID, block_size=8).eval(), max_batch=4)
+    gen = SpeculativeGenerator(backend, budget=16, width=4)
+    driver = EngineDriver.for_generator(gen, max_batch=4, max_queue=16, prefill_chunk=8)
+    app = create_app(driver, AutoTokenizer.from_pretrained(gemma_dir), ServeConfig("tiny-gemma3", 512))
+    with ServerThread(app) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        def ask(prompt: list[int]) -> list[int]:
+            choice = client.completions.create(
+                model="tiny-gemma3",
+                prompt=prompt,
+                max_tokens=NEW_TOKENS,
+                temperature=0,
+                extra_body={"return_token_ids": True},
+            ).choices[0]
+            return list(choice.token_ids)
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(ask, prompts))
+    assert answers == refs
