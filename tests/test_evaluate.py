@@ -196,3 +196,31 @@ def test_tokens_outside_the_draft_vocabulary_are_counted():
     records, _ = evaluate_conversations([conv], DecodeConfig(AR_LABEL, ar), [cfg], tok, [1], 4)
     (row,) = summarize(records, ["dv@4"], 1)
     assert row["outside_draft_vocab"] == 0.5 and row["mismatches"] == 0
+
+
+def test_no_chat_template_continues_plain_text_one_turn(tmp_path):
+    """A base model's evaluation: each first user turn tokenized as plain text (no template ids), one
+    turn even when more are asked, outputs still checked against AR."""
+    from jetflow_pl.chat import encode_prompt
+
+    rows = tmp_path / "p.jsonl"
+    rows.write_text(
+        json.dumps({"id": "a", "domain": "math", "prompt": "Ava has 3 apples and buys 4 more."}) + "\n"
+    )
+    out = tmp_path / "eval"
+    code = evaluate_main(
+        ["--target", str(SMALL), "--head", str(HEAD), "--prompts", str(rows), "--budget", "4", "--turns", "2"]
+        + ["--no-chat-template", "--max-new-tokens", "8", "--threads", "1", "--no-plot", "--out", str(out)]
+    )
+    assert code == 0
+    result = json.loads((out / "evaluate.json").read_text())
+    assert result["lossless"] is True and result["settings"]["turns"] == 1
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(SMALL)
+    plain = encode_prompt(tok, "Ava has 3 apples and buys 4 more.", chat=False)
+    from jetflow_pl.chat import chat_ids
+
+    chat = chat_ids(tok, [{"role": "user", "content": "Ava has 3 apples and buys 4 more."}])
+    assert len(result["records"]) == 1 and len(plain) != len(chat)
+    assert result["records"][0]["prompt_tokens"] == len(plain)

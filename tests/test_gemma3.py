@@ -319,3 +319,29 @@ def test_served_concurrently_each_request_equals_hf_generate(gemma, gemma_dir):
         with ThreadPoolExecutor(len(prompts)) as pool:
             answers = list(pool.map(ask, prompts))
     assert answers == refs
+
+
+def test_head_init_maps_gemma_norms(gemma):
+    """Gemma's RMSNorm scales by `1 + w`, the head's by `w`: a head initialised from the last Gemma layer
+    normalizes exactly as the target does (final norm, input norm), and its pre-MLP norm is Gemma's
+    `pre_feedforward_layernorm`; the projections are copied as they are."""
+    from jetflow_pl.head import DraftHead, DraftHeadConfig
+    from jetflow_pl.head.init import init_head_from_target_layers
+
+    target = gemma[0]
+    cfg = DraftHeadConfig.for_target(
+        target.config, num_hidden_layers=1, mask_token_id=MASK_ID, target_layer_ids=[2]
+    )
+    head = DraftHead(cfg)
+    copied = init_head_from_target_layers(head, target, [3])
+    assert "fc.weight" in copied and cfg.hidden_act == target.config.hidden_activation
+    x = torch.randn(3, target.hidden_size) * 40  # Gemma's residual stream is large
+    last = target.layers[3]
+    with torch.no_grad():
+        torch.testing.assert_close(head.norm(x), target.final_norm(x))
+        torch.testing.assert_close(head.layers[0].input_layernorm(x), last.input_layernorm(x))
+        torch.testing.assert_close(
+            head.layers[0].post_attention_layernorm(x), last.pre_feedforward_layernorm(x)
+        )
+        torch.testing.assert_close(head.hidden_norm(x), last.input_layernorm(x))
+    assert torch.equal(head.layers[0].self_attn.q_proj.weight, last.self_attn.q_proj.weight)

@@ -358,6 +358,9 @@ class PromptDataModule(L.LightningDataModule):
     None: the model's context). A later turn is answered only when its prompt plus `max_new_tokens` fits
     the cap; the conversation ends before the first one that does not (counted in the summary). Set it to
     the distillation `seq_len` so that every document fits a training row whole.
+
+    Base models: `chat_template=False` tokenizes each row's (last) user text as plain text, placed into
+    `prompt_template` (`{prompt}` marks where), and the target continues it; one turn per row.
     """
 
     def __init__(
