@@ -123,6 +123,11 @@ def test_tree_attention_window_is_the_rule(fn):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     blind = fn(q, pk, pv, k, v, packed, d**-0.5, past_lengths)
     assert (blind.double() - want).abs().max() > 1e-2
+    # an empty prefix (a first prefill chunk): only the tree rows, still windowed
+    empty = torch.zeros(b, dtype=torch.int32)
+    got = fn(q, pk[:, :, :0], pv[:, :, :0], k, v, packed, d**-0.5, empty, window=window)
+    want0 = _brute_force(q, pk[:, :, :0], pv[:, :, :0], k, v, dense, empty, window)
+    torch.testing.assert_close(got.double(), want0, rtol=1e-5, atol=1e-5)
     # batch-1 form (no past_lengths): all P rows visible, the query sits at P + depth
     one = fn(q[:1], pk[:1], pv[:1], k[:1], v[:1], packed[0], d**-0.5, window=window)
     torch.testing.assert_close(one.double(), want[:1], rtol=1e-5, atol=1e-5)
@@ -229,10 +234,29 @@ def test_forced_deep_acceptance_fails_when_the_window_is_ignored(gemma, monkeypa
     assert [_forced_decode(backend, p, r) for p, r in zip(prompts, refs, strict=True)] != refs
 
 
-def test_a_batch_of_two_requests_decodes_each_as_alone(gemma):
-    """Two requests in one verify (different KV lengths, one past the window, one not yet)."""
+@pytest.mark.parametrize("kind", ["torch", "batched-graphs", "onnxruntime-batched"])
+def test_a_batch_of_two_requests_decodes_each_as_alone(gemma, gemma_dir, tmp_path, kind):
+    """Two requests in one verify (different KV lengths, one past the window, one not yet), with 3-deep
+    accepted paths: on the torch backend, on the batched decode graphs run eagerly (per-request
+    `past_lengths` inside the window rule) and on those graphs exported to ONNX Runtime."""
     target, _, prompts, refs = gemma
-    backend = TorchBackend(target, max_batch=2)
+    if kind == "torch":
+        backend = TorchBackend(target, max_batch=2)
+    elif kind == "batched-graphs":
+        from jetflow_pl.runtime.graph_backend import TorchGraphBackend
+
+        head = perturbed_head(target, MASK_ID, block_size=8).eval()
+        backend = TorchGraphBackend(target, head, variant="portable", max_batch=2)
+    else:
+        pytest.importorskip("onnxruntime")
+        from export.onnx_export import ExportSettings, export_engine
+        from jetflow_pl.runtime.ort_backend import OnnxRuntimeBackend
+
+        perturbed_head(target, MASK_ID, block_size=8).eval().save_pretrained(tmp_path / "head")
+        out = export_engine(
+            ExportSettings(head=tmp_path / "head", target=gemma_dir, out=tmp_path / "engine", max_batch=2)
+        )
+        backend = OnnxRuntimeBackend(out, intra_op_threads=1, max_batch=2)
     slots, outs = [0, 1], [[], []]
     for s, p in zip(slots, (prompts[0], prompts[2]), strict=True):
         outs[s].append(int(backend.prefill(torch.tensor(p), slot=s).argmax()))

@@ -281,7 +281,10 @@ def tree_attention_grouped(
         if tree_visible.shape[0] != b:  # one mask shared by the batch
             tree_visible = tree_visible.expand(b, 1, group * n, n)
     if window_prefix is not None:  # [B or 1, 1, G*N, P]
-        window_prefix = window_prefix[:, None, None].expand(-1, 1, group, n, p).reshape(-1, 1, group * n, p)
+        rows = window_prefix.shape[0]  # explicit: with an empty prefix (P = 0) a -1 would be ambiguous
+        window_prefix = (
+            window_prefix[:, None, None].expand(rows, 1, group, n, p).reshape(rows, 1, group * n, p)
+        )
         prefix_visible = prefix_visible & window_prefix
         if prefix_visible.shape[0] != tree_visible.shape[0]:
             tree_visible = tree_visible.expand(prefix_visible.shape[0], 1, group * n, n)
