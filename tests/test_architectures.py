@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+from test_decoding import hf_greedy
 from tiny_heads import perturbed_head
 from tiny_targets import build_tiny
 from transformers import AutoModelForCausalLM
@@ -30,13 +31,7 @@ def _prompts_and_refs(path):
     hf = AutoModelForCausalLM.from_pretrained(path).eval()
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 2000, (n,), generator=gen).tolist() for n in (4, 13)]
-    refs = []
-    for p in prompts:
-        out = hf.generate(
-            torch.tensor([p]), do_sample=False, max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0
-        )
-        refs.append(out[0, len(p) :].tolist())
-    return prompts, refs
+    return prompts, [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]  # no EOS (tiny_targets)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "mistral", "llama"])

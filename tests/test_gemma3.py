@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_decoding import hf_greedy
 from tiny_heads import perturbed_head
 from tiny_targets import TINY_LAYER_TYPES, TINY_WINDOW, build_tiny_gemma3
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
@@ -43,15 +44,8 @@ def gemma(gemma_dir):
     hf = AutoModelForCausalLM.from_pretrained(gemma_dir).eval()
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 2000, (n,), generator=gen).tolist() for n in (5, 11, 20)]
-    refs = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    refs = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]  # no EOS: every decode runs NEW_TOKENS
     return target, hf, prompts, refs
-
-
-def hf_greedy(model, prompt: list[int], max_new: int) -> list[int]:
-    out = model.generate(
-        torch.tensor([prompt]), do_sample=False, max_new_tokens=max_new, eos_token_id=None, pad_token_id=0
-    )
-    return out[0, len(prompt) :].tolist()
 
 
 def ignore_windows(monkeypatch) -> None:
@@ -142,19 +136,11 @@ def _node_logits_vs_hf(target, hf, prompt, tree):
     worst = 0.0
     with torch.no_grad():
         for node in range(tree.num_nodes):
-            path = _path(tree, node)
+            path = tree.path(node)
             ids = torch.tensor([prompt + tree.tokens[path].tolist()])
             ref = hf(ids).logits[0, -1]
             worst = max(worst, float((logits[node] - ref).abs().max()))
     return worst
-
-
-def _path(tree: DraftTree, node: int) -> list[int]:
-    out = []
-    while node >= 0:
-        out.append(node)
-        node = int(tree.parents[node])
-    return out[::-1]
 
 
 def test_tree_verify_equals_hf_on_every_node_path(gemma, monkeypatch):
