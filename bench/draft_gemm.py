@@ -32,7 +32,8 @@ from jetflow_pl.tree import DraftTree  # noqa: E402
 ROWS = (*range(1, 18), 30, 60, 120, 240)
 
 
-def _median_ms(fn, repeats: int) -> float:
+def median_ms(fn, repeats: int) -> float:
+    """Median wall time of `fn()` in ms over `repeats` calls, after one untimed warm-up call."""
     fn()
     times = []
     for _ in range(repeats):
@@ -48,8 +49,8 @@ def gemm_table(target, repeats: int) -> list[dict]:
     out = []
     for m in ROWS:
         h = torch.randn(m, hidden_size, generator=gen, dtype=target.dtype)
-        linear = _median_ms(lambda h=h: target.lm_logits(h), repeats)
-        transposed = _median_ms(lambda h=h: target.few_row_logits(h), repeats)
+        linear = median_ms(lambda h=h: target.lm_logits(h), repeats)
+        transposed = median_ms(lambda h=h: target.few_row_logits(h), repeats)
         out.append({"rows": m, "linear_ms": round(linear, 2), "transposed_ms": round(transposed, 2)})
         print(f"rows {m:4d}: h @ W^T {linear:6.1f} ms   W @ h^T {transposed:6.1f} ms", flush=True)
     return out

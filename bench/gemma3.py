@@ -20,7 +20,6 @@ import json
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python bench/gemma3.py` from anywhere
     sys.path.insert(0, str(REPO))
 
+from bench.draft_gemm import median_ms  # noqa: E402
 from jetflow_pl.chat import encode_prompt  # noqa: E402
 from jetflow_pl.checkpoints import load_draft_head  # noqa: E402
 from jetflow_pl.decoding import ARGenerator, SpeculativeGenerator  # noqa: E402
@@ -41,16 +41,6 @@ from jetflow_pl.tree import DraftTree  # noqa: E402
 
 HELDOUT = REPO / "data_gen" / "toy" / "assets" / "heldout_prompts"
 SIZES = (1, 2, 4, 8, 16, 32, 64)
-
-
-def _median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
 
 
 def verify_cost(backend, target: TargetModel | None, repeats: int) -> dict:
@@ -67,11 +57,11 @@ def verify_cost(backend, target: TargetModel | None, repeats: int) -> dict:
             backend.verify(tree)
             backend.commit([0])  # keeps one row: the KV grows by one per call (256 -> ~300)
 
-        row = {"verify_ms": _median_ms(one, repeats)}
+        row = {"verify_ms": median_ms(one, repeats)}
         if target is not None:
             hidden = torch.randn(1, n, target.hidden_size)
             with torch.no_grad():
-                row["lm_head_ms"] = _median_ms(lambda h=hidden: target.lm_head(h), repeats)
+                row["lm_head_ms"] = median_ms(lambda h=hidden: target.lm_head(h), repeats)
         rows[n] = row
     base = rows[1]["verify_ms"]
     for row in rows.values():
@@ -170,15 +160,14 @@ def main(argv: list[str] | None = None) -> dict:
         "settings": {k: str(v) for k, v in vars(args).items()},
     }
     torch_backend = TorchBackend(target, head.eval())
-    result["verify_cost"] = {"torch": verify_cost(TorchBackend(target), target, args.cost_repeats)}
+    # the cost curve first, on the same backends the decodes use (each prefill starts a slot afresh)
+    result["verify_cost"] = {"torch": verify_cost(torch_backend, target, args.cost_repeats)}
     result["decode"] = {
         "torch": decode(torch_backend, hf, prompts, budgets, args.max_new_tokens, args.repeats, eos)
     }
     if args.engine_dir is not None:
         ort = load_backend("onnxruntime", engine_dir=args.engine_dir)
-        result["verify_cost"]["onnxruntime"] = verify_cost(
-            load_backend("onnxruntime", engine_dir=args.engine_dir), None, args.cost_repeats
-        )
+        result["verify_cost"]["onnxruntime"] = verify_cost(ort, None, args.cost_repeats)
         result["decode"]["onnxruntime"] = decode(
             ort, None, prompts, budgets, args.max_new_tokens, args.repeats, eos
         )
