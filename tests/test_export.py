@@ -223,7 +223,7 @@ def test_verify_graph_matches_hf_target_on_a_wide_tree_after_a_prefix(engines, p
 
     from jetflow_pl.runtime.hf_cache import new_cache
 
-    cache = new_cache(target.config)
+    cache = new_cache()
     target(prompt[None], cache=cache, logits_positions=None)
     want = target(
         tree.tokens[None],

@@ -12,7 +12,6 @@ import importlib.util
 
 import pytest
 import torch
-from transformers import Qwen3Config
 
 from jetflow_pl.errors import MissingPathError, UserInputError
 from jetflow_pl.head.cache import HeadCache
@@ -99,14 +98,11 @@ def _committed(store, slot: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _stores(num_slots: int = 1) -> dict:
-    config = Qwen3Config(
-        num_hidden_layers=L, num_key_value_heads=H, num_attention_heads=H, head_dim=D, hidden_size=H * D
-    )
     return {
         "tensor": TensorKVStore(L, H, D, num_slots=num_slots),
         "tensor_slack": TensorKVStore(L, H, D, num_slots=num_slots, keep_slack=True),
         "buffer": BufferKVStore(L, H, D, capacity=32, dtype=torch.float32, device="cpu", num_slots=num_slots),
-        "hf_cache": HFCacheStore(config, num_slots=num_slots),
+        "hf_cache": HFCacheStore(num_slots=num_slots),
         "head_cache": HeadCacheStore(_FakeHead(), num_slots=num_slots),
     }
 
@@ -354,10 +350,7 @@ def test_a_joiner_taking_a_vacant_row_costs_a_copy_of_itself_not_of_the_batch():
 
 def test_an_uncommitted_forward_is_discarded_by_the_next_one():
     """Two verifies without a commit between them: the second starts from the committed rows."""
-    config = Qwen3Config(
-        num_hidden_layers=L, num_key_value_heads=H, num_attention_heads=H, head_dim=D, hidden_size=H * D
-    )
-    store = HFCacheStore(config)
+    store = HFCacheStore()
     k, v = _new_rows(3, 0)
     for layer in range(L):
         store.cache().update(k[layer], v[layer], layer)

@@ -61,7 +61,7 @@ def batched_generate(
         return out_tokens, reasons
     stop = torch.tensor(sorted(set(int(s) for s in stop_ids)), dtype=torch.long, device=device)
     rows = torch.arange(bsz, device=device)  # original row of each live batch row
-    cache = new_cache(target.config)
+    cache = new_cache()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     logits = target(
         ids, position_ids=positions, attention_mask=mask, cache=cache, logits_positions="last"

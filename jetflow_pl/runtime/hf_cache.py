@@ -11,8 +11,8 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache
 
 
-def new_cache(config) -> DynamicCache:  # noqa: ARG001 - the config no longer shapes the cache
-    """An empty growable cache for `config`'s model, with every row of every layer kept.
+def new_cache() -> DynamicCache:
+    """An empty growable cache for any supported model, with every row of every layer kept.
 
     Why not `DynamicCache(config=config)`: for a model with sliding-window layers (Gemma 3, Mistral,
     Qwen2/3 with `use_sliding_window`) transformers then drops the rows that left the window, so a layer's
@@ -85,7 +85,7 @@ def set_layer_tensors(cache: Cache, tensors: list[torch.Tensor]) -> None:
         raise RuntimeError("more KV tensors than initialized cache layers")
 
 
-def cache_from_layer_tensors(config, tensors: list[torch.Tensor]) -> DynamicCache:
+def cache_from_layer_tensors(tensors: list[torch.Tensor]) -> DynamicCache:
     """A new cache holding `tensors` (`[k_0, v_0, k_1, v_1, ...]`, one pair per layer), every row kept
     (`new_cache`)."""
     pairs = list(zip(tensors[0::2], tensors[1::2], strict=True))

@@ -591,10 +591,9 @@ class TensorKVStore(_Store):
 class HFCacheGroup(KVGroup):
     """A transformers cache of batch R; the target appends to it inside its forward."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self._config = config
-        self._cache = new_cache(config)
+        self._cache = new_cache()
 
     def cache(self):
         """The cache for the next forward: the committed rows (uncommitted staged rows dropped)."""
@@ -620,25 +619,24 @@ class HFCacheGroup(KVGroup):
         if layer_tensors(self._cache) or not tensors:
             set_layer_tensors(self._cache, tensors)
         else:  # the cache holds nothing yet: build it from the tensors
-            self._cache = cache_from_layer_tensors(self._config, tensors)
+            self._cache = cache_from_layer_tensors(tensors)
 
     def _adopt(self, other: KVGroup) -> None:
         assert isinstance(other, HFCacheGroup)
         self._cache = other._cache
 
     def _clear(self) -> None:
-        self._cache = new_cache(self._config)
+        self._cache = new_cache()
 
 
 class HFCacheStore(_Store):
     """A transformers cache per group; the target appends to it inside its forward (`jetflow_pl.target`)."""
 
-    def __init__(self, config: Any, num_slots: int = 1) -> None:
-        self._config = config
+    def __init__(self, num_slots: int = 1) -> None:
         super().__init__(num_slots)
 
     def _new_group(self) -> HFCacheGroup:
-        return HFCacheGroup(self._config)
+        return HFCacheGroup()
 
     def cache(self, slot: int = 0):
         """The cache of an alone `slot` for the next forward (uncommitted staged rows dropped)."""

@@ -61,7 +61,7 @@ class TorchBackend(SequenceBackend):
             head.eval()
             head_kv = HeadCacheStore(head, num_slots=max_batch)
             self.draft_lm = DraftLMHead(target, head)
-        super().__init__(HFCacheStore(target.config, num_slots=max_batch), head_kv, device=target.device)
+        super().__init__(HFCacheStore(num_slots=max_batch), head_kv, device=target.device)
 
     # ------------------------------------------------------------------ what the runtime states
     @property
