@@ -106,6 +106,12 @@ def layer_windows(config: PretrainedConfig) -> tuple[int | None, ...]:
     return (None,) * n
 
 
+def has_sandwich_norms(layer: nn.Module) -> bool:
+    """True for a Gemma-style decoder layer: norms around each sublayer's output as well as its input
+    (`pre_feedforward_layernorm` / `post_feedforward_layernorm`), and RMSNorms that scale by `1 + w`."""
+    return hasattr(layer, "pre_feedforward_layernorm")
+
+
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """HF-style 4D additive mask `[R, 1, N, S]`: 0 where visible, `finfo(dtype).min` elsewhere."""
     out = torch.full(visible.shape, torch.finfo(dtype).min, dtype=dtype, device=visible.device)

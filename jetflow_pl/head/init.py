@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from jetflow_pl.errors import UserInputError
+from jetflow_pl.target import has_sandwich_norms
 
 #: head-layer parameters copied from a target layer (names under both layers)
 _COPIED = (
@@ -49,15 +50,6 @@ _OPTIONAL = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 _GEMMA_NAMES = {"post_attention_layernorm.weight": "pre_feedforward_layernorm.weight"}
 
 
-def _is_gemma_layer(layer) -> bool:
-    return hasattr(layer, "pre_feedforward_layernorm")
-
-
-def _norm_offset(target) -> float:
-    """What a target norm weight needs added to scale like the head's: 1 for Gemma (`x * (1 + w)`)."""
-    return 1.0 if _is_gemma_layer(target.layers[0]) else 0.0
-
-
 @torch.no_grad()
 def init_head_from_target_layers(head, target, layer_ids: Sequence[int]) -> list[str]:
     """Copy target decoder layer `layer_ids[i]` into head layer `i` (and the final norm); return the copied
@@ -74,12 +66,14 @@ def init_head_from_target_layers(head, target, layer_ids: Sequence[int]) -> list
             f"init_from_target_layers: {bad} outside the target's layers 0..{target.num_layers - 1}"
         )
     copied = []
+    gemma = has_sandwich_norms(target.layers[0])
+    names = _GEMMA_NAMES if gemma else {}
+    norm_offset = 1.0 if gemma else 0.0  # what a target norm weight needs to scale like the head's
     for h_idx, t_idx in enumerate(layer_ids):
         h_params = dict(head.layers[h_idx].named_parameters())
         t_params = dict(target.layers[t_idx].named_parameters())
-        gemma = _is_gemma_layer(target.layers[t_idx])
         for name in (*_COPIED, *_OPTIONAL):
-            source = _GEMMA_NAMES.get(name, name) if gemma else name
+            source = names.get(name, name)
             if source not in t_params:
                 if name in _OPTIONAL:
                     continue
@@ -92,11 +86,9 @@ def init_head_from_target_layers(head, target, layer_ids: Sequence[int]) -> list
                     f"init_from_target_layers: target layer {t_idx} {name} has shape {tuple(src.shape)}, the "
                     f"head's is {tuple(dst.shape)} (the head must have the target's layer shapes)"
                 )
-            offset = 1.0 if gemma and "norm" in name else 0.0
-            dst.copy_(src.to(dst.dtype) + offset)
+            dst.copy_(src.to(dst.dtype) + (norm_offset if "norm" in name else 0.0))
             copied.append(f"layers.{h_idx}.{name}")
-    offset = _norm_offset(target)
-    head.norm.weight.copy_(target.final_norm.weight.to(head.norm.weight.dtype) + offset)
+    head.norm.weight.copy_(target.final_norm.weight.to(head.norm.weight.dtype) + norm_offset)
     copied.append("norm.weight")
     if (
         list(head.target_layer_ids) == [layer_ids[0] - 1]
@@ -104,6 +96,6 @@ def init_head_from_target_layers(head, target, layer_ids: Sequence[int]) -> list
     ):
         head.fc.weight.copy_(torch.eye(head.fc.weight.shape[0], dtype=head.fc.weight.dtype))
         norm = target.layers[layer_ids[0]].input_layernorm.weight
-        head.hidden_norm.weight.copy_(norm.to(head.hidden_norm.weight.dtype) + offset)
+        head.hidden_norm.weight.copy_(norm.to(head.hidden_norm.weight.dtype) + norm_offset)
         copied += ["fc.weight", "hidden_norm.weight"]
     return copied

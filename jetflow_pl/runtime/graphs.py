@@ -32,7 +32,7 @@ from jetflow_pl.ops.tree_attention import (
     tree_attention_grouped,
     tree_attention_via_masked_attention,
 )
-from jetflow_pl.target import TargetModel
+from jetflow_pl.target import TargetModel, has_sandwich_norms
 
 AttentionFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float], Tensor]
 
@@ -67,7 +67,7 @@ def _layer_update(layer: nn.Module, x: Tensor, attention_out: Tensor) -> Tensor:
     Llama/Qwen/Mistral: `x + attn; x + mlp(post_attention_layernorm(x))`. Gemma 3 ("sandwich" norms):
     `x + post_attention_layernorm(attn); x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))`.
     """
-    if hasattr(layer, "pre_feedforward_layernorm"):
+    if has_sandwich_norms(layer):
         x = x + layer.post_attention_layernorm(attention_out)
         return x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
     x = x + attention_out
