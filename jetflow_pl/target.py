@@ -145,6 +145,7 @@ class TargetModel(nn.Module):
         self.final_norm: nn.Module = decoder.norm
         self.lm_head: nn.Linear = model.lm_head
         self.tap_layer_ids: tuple[int, ...] = ()
+        self._windows = layer_windows(model.config)  # read by every verify: worked out once
         self._tapped: dict[int, torch.Tensor] = {}
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self.set_taps(tap_layer_ids)
@@ -202,7 +203,7 @@ class TargetModel(nn.Module):
     @property
     def windows(self) -> tuple[int | None, ...]:
         """Per decoder layer, its sliding window or None (global); see `layer_windows`."""
-        return layer_windows(self.config)
+        return self._windows
 
     def verify_mask(
         self, visible: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor
