@@ -25,27 +25,33 @@ TINY_WINDOW = 8
 TINY_LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
 
 
+#: the sizes every tiny target shares (the toy tokenizer's 2,048 ids, its pad 0 and EOS 1)
+_COMMON = dict(
+    vocab_size=2048,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=None,
+)
+
+
 def build_tiny_gemma3(out: Path, seed: int = 0) -> Path:
     """Save the tiny Gemma 3 (vocabulary of the toy tokenizer, 2,048) with the toy tokenizer into `out`."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(seed)
     cfg = Gemma3TextConfig(
-        vocab_size=2048,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=len(TINY_LAYER_TYPES),
-        num_attention_heads=4,
+        **{**_COMMON, "num_hidden_layers": len(TINY_LAYER_TYPES)},
         num_key_value_heads=1,
         head_dim=16,
         sliding_window=TINY_WINDOW,
         layer_types=list(TINY_LAYER_TYPES),
         query_pre_attn_scalar=16,
-        max_position_embeddings=512,
-        initializer_range=0.1,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
     )
     return _save(Gemma3ForCausalLM(cfg), out)
 
@@ -64,20 +70,7 @@ def build_tiny(family: str, out: Path, seed: int = 0) -> Path:
     if family == "gemma3":
         return build_tiny_gemma3(out, seed)
     torch.manual_seed(seed)
-    common = dict(
-        vocab_size=2048,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.1,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-    )
+    common = dict(_COMMON, num_key_value_heads=2, tie_word_embeddings=False)
     if family == "qwen2":
         cfg = Qwen2Config(**common, use_sliding_window=True, sliding_window=TINY_WINDOW, max_window_layers=2)
         return _save(Qwen2ForCausalLM(cfg), out)
