@@ -120,11 +120,8 @@ def ensure_gemma3(out: str | Path | None = None, force: bool = False, package: s
     return materialize_gguf(source, out, force=force)
 
 
-#: `--model` name -> (materializer, default folder)
-REAL_TARGETS = {
-    "smollm2": (ensure_smollm2, DEFAULT_SMOLLM2_DIR),
-    "gemma3-270m": (ensure_gemma3, DEFAULT_GEMMA3_DIR),
-}
+#: `--model` name -> its materializer (each defaults to its own folder under models/)
+REAL_TARGETS = {"smollm2": ensure_smollm2, "gemma3-270m": ensure_gemma3}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,8 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         progress.addHandler(handler)
     progress.setLevel(logging.INFO)
     try:
-        ensure, _default = REAL_TARGETS[args.model]
-        path = ensure(args.out, force=args.force)
+        path = REAL_TARGETS[args.model](args.out, force=args.force)
     except UserInputError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
