@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jetflow_pl.decoding.cost_profile import LADDER_NODES, CostProfile
+from jetflow_pl.decoding.budget.cost_profile import LADDER_NODES, CostProfile
 
 
 def batched_profile(batch_slope: dict[int, float], slope: float = 0.02, draft: float = 0.2) -> CostProfile:

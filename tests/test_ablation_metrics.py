@@ -99,8 +99,8 @@ def test_recorder_sees_every_round_of_a_real_decode() -> None:
     assets = REPO / "data_gen/toy/assets"
     tokenizer, target = load_target(assets / "small")
     backend = load_backend("torch", target=target, head=load_draft_head(assets / "small_head"))
-    recorder = RoundRecorder(16)
-    gen = SpeculativeGenerator(backend, recorder, 4, eos_token_id=tokenizer.eos_token_id)
+    recorder = RoundRecorder()
+    gen = SpeculativeGenerator(backend, 16, 4, eos_token_id=tokenizer.eos_token_id, observers=[recorder])
     result = gen.generate(domain_prompts(tokenizer, "math", 1)[0], 32)
     assert [r["accept_length"] for r in recorder.rounds] == result.accept_lengths
     for r in recorder.rounds:

@@ -17,10 +17,12 @@ from jetflow_pl.decoding.budget import (
     AcceptanceStats,
     AutoBudget,
     FixedBudget,
+    RoundInfo,
+    RoundResult,
     accept_length_at,
     resolve_budget,
 )
-from jetflow_pl.decoding.cost_profile import LADDER_NODES, CostProfile
+from jetflow_pl.decoding.budget.cost_profile import LADDER_NODES, CostProfile
 from jetflow_pl.errors import UserInputError
 from jetflow_pl.head import DraftHead, DraftHeadConfig
 from jetflow_pl.runtime.torch_backend import TorchBackend
@@ -91,9 +93,11 @@ def play_chains(pol: AutoBudget, rounds: int, drafts_accepted) -> list[int]:
     the tree). Returns the budgets played."""
     played = []
     for r in range(rounds):
-        k = pol.choose()
+        k = pol.choose(RoundInfo())
         played.append(k)
-        pol.observe(DraftTree.chain(list(range(k + 1))), list(range(min(k, drafts_accepted(r)) + 1)))
+        pol.observe(
+            RoundResult([DraftTree.chain(list(range(k + 1)))], [list(range(min(k, drafts_accepted(r)) + 1))])
+        )
     return played
 
 
@@ -169,9 +173,9 @@ def test_chooser_picks_ar_when_drafting_cannot_pay():
     # 48 (the bound widens with the rounds since a budget was seen)
     played = []
     for _ in range(300):
-        k = pol.choose()
+        k = pol.choose(RoundInfo())
         played.append(k)
-        pol.observe(DraftTree.chain([5] * (k + 1)), [0])
+        pol.observe(RoundResult([DraftTree.chain([5] * (k + 1))], [[0]]))
     probes = [i for i, k in enumerate(played) if k]
     assert probes == [16, 48, 112, 240], probes
     assert [played[i] for i in probes] == [pol.probe_budget(), pol.probe_budget(), 4, 8]
@@ -196,7 +200,7 @@ def test_chooser_picks_the_argmax_of_tau_over_cost(slope, draft, tau):
     assert expected != 0
     assert pol.best() == expected
     # the decision differs between the cost regimes: it is the cost model, not a constant
-    assert pol.choose() == expected
+    assert pol.choose(RoundInfo()) == expected
 
 
 def test_chooser_regimes_give_different_budgets():
@@ -220,7 +224,7 @@ def test_candidates_are_capped_by_the_backend_limit_and_need_a_head():
     pol = started(AutoBudget(cost, prior_of(tau)), FakeBackend(max_tree_nodes=33))
     assert max(pol.candidates) == 32 and pol.best() == 32
     pol = started(AutoBudget(cost, prior_of(tau)), FakeBackend(block_size=1))
-    assert pol.candidates == [0] and pol.choose() == 0
+    assert pol.candidates == [0] and pol.choose(RoundInfo()) == 0
 
 
 def test_online_estimate_overrides_a_wrong_prior():
@@ -231,9 +235,9 @@ def test_online_estimate_overrides_a_wrong_prior():
     pol = started(AutoBudget(cost, prior_of(optimistic)))
     played = []
     for _ in range(120):
-        k = pol.choose()
+        k = pol.choose(RoundInfo())
         played.append(k)
-        pol.observe(DraftTree.chain([1] * (k + 1)), [0])
+        pol.observe(RoundResult([DraftTree.chain([1] * (k + 1))], [[0]]))
     assert played[0] > 0
     late = played[-60:]
     assert late.count(0) >= 55, played
@@ -259,9 +263,9 @@ def test_without_prior_it_probes_then_learns_from_the_probe():
     assert probe == max(k for k in pol.candidates if k and cost.cost(k) <= 4.0)
     # every probe round accepts a chain of 3 drafts: tau(k) = min(1 + k, 4) for k <= probe
     for _ in range(2):
-        assert pol.choose() == probe
+        assert pol.choose(RoundInfo()) == probe
         tree = DraftTree.chain(list(range(probe + 1)))
-        pol.observe(tree, [0, 1, 2, 3])
+        pol.observe(RoundResult([tree], [[0, 1, 2, 3]]))
     tau = {k: min(1.0 + k, 4.0) for k in pol.candidates if k and k <= probe}
     assert pol.best() == brute_force_best(cost, tau, pol.min_gain) > 0
 
@@ -330,9 +334,9 @@ class CountingBackend(TorchBackend):
 
     drafts = 0
 
-    def draft(self, anchor_token: int, depths: int | None = None):
+    def draft_batch(self, slots, anchors, depths: int | None = None):
         self.drafts += 1
-        return super().draft(anchor_token, depths)
+        return super().draft_batch(slots, anchors, depths)
 
 
 @pytest.fixture(scope="module")
@@ -449,18 +453,18 @@ def test_a_session_probes_once_then_learns_across_generations():
     pol = started(AutoBudget(cost, None))
     probe = pol.probe_budget()
     for _ in range(6):  # every round accepts 2 drafts: tau(k) = min(1 + k, 3)
-        k = pol.choose()
-        pol.observe(DraftTree.chain(list(range(k + 1))), list(range(min(k, 2) + 1)))
+        k = pol.choose(RoundInfo())
+        pol.observe(RoundResult([DraftTree.chain(list(range(k + 1)))], [list(range(min(k, 2) + 1))]))
     best = pol.best()
     assert best == brute_force_best(cost, {1: 2.0, 2: 3.0}, pol.min_gain) != probe
     pol.start(FakeBackend())  # the next generation: no probing, the session's rounds already tell
     assert pol.stats.mean(2) == pytest.approx(3.0) and pol.stats.count(2) == 6
-    assert pol.choose() == best
+    assert pol.choose(RoundInfo()) == best
     frozen = started(AutoBudget(cost, None, learn=False))
-    frozen.choose()
-    frozen.observe(DraftTree.chain([0, 1, 2]), [0, 1, 2])
+    frozen.choose(RoundInfo())
+    frozen.observe(RoundResult([DraftTree.chain([0, 1, 2])], [[0, 1, 2]]))
     frozen.start(FakeBackend())
-    assert frozen.stats.count(2) == 0 and frozen.choose() == frozen.probe_budget()
+    assert frozen.stats.count(2) == 0 and frozen.choose(RoundInfo()) == frozen.probe_budget()
 
 
 def test_memory_fades_old_rounds_so_the_estimate_follows_the_data():
@@ -468,7 +472,7 @@ def test_memory_fades_old_rounds_so_the_estimate_follows_the_data():
     recent rounds, not the average of all 128."""
     pol = started(AutoBudget(linear_cost(0.05, 0.3), None, memory=16, probe_rounds=0))
     for accepted in ([0],) * 64 + ([0, 1, 2, 3],) * 64:
-        pol.observe(DraftTree.chain(list(range(9))), accepted)
+        pol.observe(RoundResult([DraftTree.chain(list(range(9)))], [accepted]))
     assert pol.stats.count(8) == 16
     assert pol.stats.mean(8) > 3.5  # the last rounds dominate (the plain average would be 2.5)
 

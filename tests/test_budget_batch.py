@@ -24,10 +24,10 @@ from jetflow_pl.decoding.budget import (
     AcceptanceProfile,
     AcceptanceStats,
     AutoBudget,
-    choose_round_budget,
-    observe_round,
+    RoundInfo,
+    RoundResult,
 )
-from jetflow_pl.decoding.cost_profile import (
+from jetflow_pl.decoding.budget.cost_profile import (
     PROFILE_VERSION,
     CostProfile,
     CostProfileMismatch,
@@ -138,7 +138,7 @@ def test_inconsistent_batch_rows_are_one_clear_error():
 # ------------------------------------------------------------------------------------------ the chooser
 def test_expensive_batched_verify_plays_ar_at_large_batch_and_drafts_alone():
     pol = started(AutoBudget(CPU, prior()))
-    alone = pol.choose()
+    alone = pol.choose(RoundInfo())
     assert alone > 0 and alone == pol.best()
     picks = {b: pol.best_batch(fresh(b)) for b in BATCHES}
     assert picks[8] == 0  # no budget pays: plain AR rounds inside the batch
@@ -146,8 +146,8 @@ def test_expensive_batched_verify_plays_ar_at_large_batch_and_drafts_alone():
         assert picks[b] == brute_force(CPU, [monotone(TAU)] * b, b, pol.min_gain)
     assert picks[2] > 0 and picks[2] <= alone  # a batch of 2 still drafts, a smaller tree
     # what `_round` calls: a batch of one is `choose()` (the batch-1 policy), a batch of 8 the shared rule
-    assert choose_round_budget(pol, fresh(1)) == alone
-    assert choose_round_budget(pol, fresh(8)) == 0
+    assert pol.choose(RoundInfo(fresh(1))) == alone
+    assert pol.choose(RoundInfo(fresh(8))) == 0
 
 
 def test_cheap_batched_verify_keeps_speculating_at_every_batch_size():
@@ -186,10 +186,10 @@ def test_each_requests_own_acceptance_moves_the_shared_budget():
 def test_a_batch_round_is_one_round_of_the_schedule_and_feeds_the_session_estimate():
     pol = started(AutoBudget(GPU, prior(rounds=2)))
     reqs = fresh(4)
-    k = choose_round_budget(pol, reqs)
+    k = pol.choose(RoundInfo(reqs))
     assert k > 0
     trees = [DraftTree.chain(list(range(k + 1))) for _ in reqs]
-    observe_round(pol, trees, [[0, 1, 2]] * 4)  # every request accepted two drafts
+    pol.observe(RoundResult(trees, [[0, 1, 2]] * 4))  # every request accepted two drafts
     assert pol._session_round == 1 and pol._round == 1  # one round, not four
     assert pol.stats.count(k) == 4 and pol.stats.mean(k) == pytest.approx(3.0)  # four requests' rounds
 
@@ -200,9 +200,9 @@ def test_without_prior_a_batch_probes_at_its_own_cost_then_learns():
     assert 0 < probe < pol.probe_budget(1)  # a probe costs at most `probe_cost` batched AR steps
     assert CPU.cost(probe, 4) <= pol.probe_cost
     reqs = fresh(4)
-    assert pol.choose_batch(reqs) == probe
+    assert pol.choose(RoundInfo(reqs)) == probe
     trees = [DraftTree.chain(list(range(probe + 1))) for _ in reqs]
-    pol.observe_batch(trees, [list(range(probe + 1))] * 4)  # everything accepted: drafting pays here
+    pol.observe(RoundResult(trees, [list(range(probe + 1))] * 4))  # everything accepted: drafting pays here
     assert pol.best_batch(reqs) > 0
 
 
@@ -215,10 +215,10 @@ def test_no_probe_or_exploration_where_even_k_plus_1_tokens_could_not_pay():
     reqs = fresh(8)
     played = []
     for _ in range(300):
-        k = choose_round_budget(pol, reqs)
+        k = pol.choose(RoundInfo(reqs))
         played.append(k)
         trees = [DraftTree.chain(list(range(k + 1))) for _ in reqs]
-        observe_round(pol, trees, [list(range(min(k, 2) + 1))] * 8)
+        pol.observe(RoundResult(trees, [list(range(min(k, 2) + 1))] * 8))
     assert set(played) == {0}
     assert pol.probe_budget(8) > 0  # a probe budget exists: it is the bound that keeps it unplayed
 
@@ -238,7 +238,7 @@ def test_a_probe_plays_only_as_far_as_a_budget_could_pay():
     reqs = fresh(16)
     played = []
     for r in range(190):
-        k = choose_round_budget(pol, reqs)
+        k = pol.choose(RoundInfo(reqs))
         played.append(k)
         # 13 of 16 requests accept exactly one draft (which three miss rotates with the round)
         drafts = [0 if (i + r) % 16 in (3, 9, 14) else 1 for i in range(16)]
@@ -246,7 +246,7 @@ def test_a_probe_plays_only_as_far_as_a_budget_could_pay():
         for st, acc in zip(reqs, accepted, strict=True):
             if k:
                 st.observe(acc, k)
-        observe_round(pol, [DraftTree.chain(list(range(k + 1))) for _ in reqs], accepted)
+        pol.observe(RoundResult([DraftTree.chain(list(range(k + 1))) for _ in reqs], accepted))
     trees = [k for k in played if k]
     assert trees.count(probe) == 1, played  # the first probe: budget 4 had never been seen
     assert set(trees) == {1, probe}, played  # every other look is at budget 1
@@ -259,7 +259,7 @@ def test_the_upper_bound_is_tight_with_evidence_and_loosens_as_it_ages():
     reqs = fresh(4)
     for _ in range(20):  # budget-16 trees, accept lengths 3 and 4 alternating per request
         trees = [DraftTree.chain(list(range(17))) for _ in reqs]
-        pol.observe_batch(trees, [list(range(3 + (i % 2))) for i in range(4)])
+        pol.observe(RoundResult(trees, [list(range(3 + (i % 2))) for i in range(4)]))
         pol._batch = None
     n, var = pol.stats.count(16), pol.stats.variance(16)
     assert n == 64 and var == pytest.approx(0.25)  # 80 request-rounds faded to `memory`
@@ -322,7 +322,7 @@ def test_profile_cache_round_trips_completes_and_refuses_another_model(tiny_targ
     # every field survives the JSON round trip
     assert loaded == first and loaded.version == PROFILE_VERSION == 4 and loaded.short_kv is not None
 
-    import jetflow_pl.decoding.cost_profile as cp
+    import jetflow_pl.decoding.budget.cost_profile as cp
 
     asked: list[list[int]] = []
     real = cp.measure_batch_costs
@@ -381,21 +381,21 @@ def test_a_tree_counts_at_most_the_tokens_a_request_may_still_take():
     pol = started(AutoBudget(GPU, prior()))
     roomy = pol.best()
     assert roomy > 0
-    assert choose_round_budget(pol, fresh(1), [1]) == 0
-    observe_round(pol, [DraftTree.chain([5])], [[0]])
-    assert pol._remaining is None and pol.choose() == roomy  # the bound was for that round only
-    assert choose_round_budget(pol, fresh(4), [1, 1, 1, 1]) == 0
-    observe_round(pol, [DraftTree.chain([5])] * 4, [[0]] * 4)
+    assert pol.choose(RoundInfo(fresh(1), [1])) == 0
+    pol.observe(RoundResult([DraftTree.chain([5])], [[0]]))
+    assert pol._remaining is None and pol.choose(RoundInfo()) == roomy  # the bound was for that round only
+    assert pol.choose(RoundInfo(fresh(4), [1, 1, 1, 1])) == 0
+    pol.observe(RoundResult([DraftTree.chain([5])] * 4, [[0]] * 4))
     # two requests with one token left, two with room: each counts min(tau_i(k), left_i), by hand
     reqs = fresh(4)
-    pol.note_remaining([1, 1, 2, 40])
+    pol.choose(RoundInfo(reqs, [1, 1, 2, 40]))
     session = pol.estimates()
     got = pol.batch_speeds(reqs)
     for k, v in got.items():
         tau_k = pol.request_estimates(reqs[0], session)[k]  # fresh requests: all at the session estimate
         assert v == pytest.approx((1 + 1 + min(tau_k, 2) + tau_k) / (4 * pol.round_cost(k, 4)))
     assert got[0] == pytest.approx(1.0)  # AR's one token per request is never capped
-    pol.note_remaining(None)
+    pol.observe(RoundResult([DraftTree.chain([5])] * 4, [[0]] * 4))  # the round is over: no bound now
     assert pol.batch_speeds(reqs)[roomy] > got[roomy]
 
 
@@ -459,9 +459,9 @@ def test_the_decode_loop_tells_auto_each_requests_tokens_left(toy):
     told: list[list[int]] = []
 
     class Recording(AutoBudget):
-        def note_remaining(self, remaining):
-            told.append(list(remaining))
-            super().note_remaining(remaining)
+        def choose(self, info):
+            told.append(list(info.remaining))
+            return super().choose(info)
 
     pol = Recording(GPU, prior(), check_costs=False)
     gen = SpeculativeGenerator(TorchBackend(target, head, max_batch=2), pol, width=4, eos_token_id=EOS)
@@ -493,9 +493,9 @@ def test_the_decode_loop_tells_auto_the_longest_kv_length_of_the_round(toy):
     told: list[int] = []
 
     class Recording(AutoBudget):
-        def note_kv_len(self, kv_len):
-            told.append(kv_len)
-            super().note_kv_len(kv_len)
+        def choose(self, info):
+            told.append(info.kv_len)
+            return super().choose(info)
 
     pol = Recording(GPU, prior(), check_costs=False)
     gen = SpeculativeGenerator(TorchBackend(target, head, max_batch=2), pol, width=4, eos_token_id=EOS)

@@ -17,8 +17,15 @@ from conftest import TINY_VOCAB
 from synthetic_costs import batched_profile
 
 from jetflow_pl.decoding import ARGenerator, SpeculativeGenerator
-from jetflow_pl.decoding.budget import LADDER_BUDGETS, AcceptanceProfile, AcceptanceStats, AutoBudget
-from jetflow_pl.decoding.cost_profile import CostProfile
+from jetflow_pl.decoding.budget import (
+    LADDER_BUDGETS,
+    AcceptanceProfile,
+    AcceptanceStats,
+    AutoBudget,
+    RoundInfo,
+    RoundResult,
+)
+from jetflow_pl.decoding.budget.cost_profile import CostProfile
 from jetflow_pl.head import DraftHead, DraftHeadConfig
 from jetflow_pl.runtime.torch_backend import TorchBackend
 from jetflow_pl.target import TargetModel
@@ -61,15 +68,11 @@ def run_rounds(pol: AutoBudget, true_cost, rounds: int, batch: int = 1, accepts=
     played = []
     for i in range(rounds):
         stats = [AcceptanceStats(LADDER_BUDGETS) for _ in range(batch)]
-        k = pol.choose() if batch == 1 else pol.choose_batch(stats)
+        k = pol.choose(RoundInfo(stats))
         played.append(k)
         trees = [DraftTree.chain(list(range(k + 1))) for _ in range(batch)]
         accepted = [accepts(i, k)] * batch
-        pol.observe_time(k, batch, true_cost(k) * AR_SECONDS)
-        if batch == 1:
-            pol.observe(trees[0], accepted[0])
-        else:
-            pol.observe_batch(trees, accepted)
+        pol.observe(RoundResult(trees, accepted, seconds=true_cost(k) * AR_SECONDS))
     return played
 
 
@@ -180,8 +183,8 @@ def test_slow_ar_rounds_never_make_trees_cheaper_than_the_profile():
 # ------------------------------------------------------------------------------------------ pairs
 def timed(pol: AutoBudget, k: int, cost: float, batch: int = 1) -> None:
     """One round at budget `k` taking `cost` AR steps on the test's clock (a chain tree, root accepted)."""
-    pol.observe_time(k, batch, cost * AR_SECONDS)
-    pol.observe(DraftTree.chain(list(range(k + 1))), [0])
+    trees = [DraftTree.chain(list(range(k + 1)))] * batch
+    pol.observe(RoundResult(trees, [[0]] * batch, seconds=cost * AR_SECONDS))
 
 
 def test_pairs_lower_a_profile_too_dear_for_their_budget_only():
@@ -200,7 +203,7 @@ def test_pairs_lower_a_profile_too_dear_for_their_budget_only():
     assert pol.round_cost(4) == pytest.approx(prof.cost(4))  # no pairs of its own: never lowered
     # nothing pairs across a round that was not timed (a round of mixed tree sizes, say)
     timed(pol, 0, 1.0)
-    pol.observe(DraftTree.chain([0]), [0])
+    pol.observe(RoundResult([DraftTree.chain([0])], [[0]]))
     timed(pol, 2, 1.2 * prof.cost(2))
     assert pol.timing_report()["1"]["2"]["paired_rounds"] == 2
     # dearer pairs: the upper median of (0.8, 0.8, 1.2) is 0.8; one more 1.2 makes it 1.2

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import TINY_VOCAB
 
-from jetflow_pl.decoding.cost_profile import (
+from jetflow_pl.decoding.budget.cost_profile import (
     CostProfile,
     CostProfileMismatch,
     cache_file,
@@ -125,7 +125,7 @@ def test_cache_measures_once_then_reuses(backend, tmp_path, monkeypatch):
     def no_measuring(*a, **k):
         raise AssertionError("a cached, matching profile must not be re-measured")
 
-    monkeypatch.setattr("jetflow_pl.decoding.cost_profile.measure_cost_profile", no_measuring)
+    monkeypatch.setattr("jetflow_pl.decoding.budget.cost_profile.measure_cost_profile", no_measuring)
     again = cost_profile_for(backend, cache_dir=tmp_path)
     assert again.source == str(path) and again.verify_s == first.verify_s
 
@@ -220,7 +220,7 @@ def test_a_version_2_profile_s_one_draft_time_stands_for_every_tree_size(tmp_pat
 
 
 def test_ladder_leaves_room_in_the_context(backend):
-    from jetflow_pl.decoding.cost_profile import LADDER_NODES, ladder_for
+    from jetflow_pl.decoding.budget.cost_profile import LADDER_NODES, ladder_for
 
     # 1024 positions: the KV length is capped at half the context and the ladder must fit after it
     nodes, kv_len = ladder_for(backend, 900, LADDER_NODES)
@@ -240,7 +240,7 @@ def test_graph_backend_is_measured_through_the_same_protocol(target):
 
 
 def test_isotonic_fit_keeps_order_and_least_squares():
-    from jetflow_pl.decoding.cost_profile import isotonic
+    from jetflow_pl.decoding.budget.cost_profile import isotonic
 
     assert isotonic([1.0, 1.2, 1.5]) == [1.0, 1.2, 1.5]  # already in order: unchanged
     fit = isotonic([1.0, 2.5, 2.8, 2.5, 1.2, 3.0])
@@ -330,7 +330,7 @@ def test_the_first_round_after_a_prefill_is_not_timed(target, monkeypatch):
     batch 1 and batched. Timing the first round after a prefill gave the AR half of each ascending pass's
     first pair the one-time penalty, so the smallest tree looked cheap (real SmolLM2, torch, 16 slots:
     t(B, 2)/t(B, 1) measured 1.0 where decoding rounds take 1.4-1.7): 2 / (1 + 3) = 0.5 -> clamped to 1."""
-    import jetflow_pl.decoding.cost_profile as cp
+    import jetflow_pl.decoding.budget.cost_profile as cp
 
     clock = _VirtualClock()
     monkeypatch.setattr(cp, "time", clock)

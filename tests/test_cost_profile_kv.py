@@ -17,10 +17,10 @@ from jetflow_pl.decoding.budget import (
     AcceptanceProfile,
     AcceptanceStats,
     AutoBudget,
-    choose_round_budget,
-    observe_round,
+    RoundInfo,
+    RoundResult,
 )
-from jetflow_pl.decoding.cost_profile import LADDER_NODES, CostProfile, _at_kv
+from jetflow_pl.decoding.budget.cost_profile import LADDER_NODES, CostProfile, _at_kv
 from jetflow_pl.errors import UserInputError
 from jetflow_pl.tree import DraftTree
 
@@ -188,10 +188,10 @@ def test_auto_drafts_on_long_sequences_and_plays_ar_on_short_ones_at_the_same_ba
     pol = started()
     assert best_by_hand(8, 64) == 0 < best_by_hand(8, 1000)  # the case is the one the test is about
     for kv in (64, 1000):
-        assert choose_round_budget(pol, fresh(8), None, kv) == best_by_hand(8, kv)
-        observe_round(pol, [DraftTree.chain([5])] * 8, [[0]] * 8)
+        assert pol.choose(RoundInfo(fresh(8), None, kv)) == best_by_hand(8, kv)
+        pol.observe(RoundResult([DraftTree.chain([5])] * 8, [[0]] * 8))
     assert pol._kv_len is None  # told for one round: a caller that tells nothing gets the profile's own
-    assert choose_round_budget(pol, fresh(8)) == best_by_hand(8, LONG)
+    assert pol.choose(RoundInfo(fresh(8))) == best_by_hand(8, LONG)
 
 
 def test_the_clock_check_compares_a_round_with_the_profile_at_its_kv_length():
@@ -201,9 +201,10 @@ def test_the_clock_check_compares_a_round_with_the_profile_at_its_kv_length():
     pol = started()
     for _ in range(3):
         for k in (0, 4):
-            pol.note_kv_len(SHORT)
-            pol.observe_time(k, 8, true_cost(k, 8, SHORT) * seconds(1, SHORT, 8))
-    pol.note_kv_len(SHORT)
+            pol.choose(RoundInfo(fresh(8), None, SHORT))
+            took = true_cost(k, 8, SHORT) * seconds(1, SHORT, 8)
+            pol.observe(RoundResult([DraftTree.chain(list(range(k + 1)))] * 8, [[0]] * 8, seconds=took))
+    pol.choose(RoundInfo(fresh(8), None, SHORT))
     assert pol.round_cost(4, 8) == pytest.approx(true_cost(4, 8, SHORT), rel=1e-9)
     report = pol.timing_report()["8"]
     assert report["0"]["observed_over_profiled"] == pytest.approx(1.0)

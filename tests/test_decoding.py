@@ -121,15 +121,16 @@ class OracleBackend(TorchBackend):
         self.seq = continuation
         self.prompt_len = prompt_len
 
-    def draft(self, anchor_token: int, depths: int | None = None) -> torch.Tensor:
-        super().draft(anchor_token, depths)  # keep the head's context bookkeeping exercised
+    def draft_batch(self, slots, anchors, depths: int | None = None) -> list[torch.Tensor]:
+        super().draft_batch(slots, anchors, depths)  # keep the head's context bookkeeping exercised
+        (slot,) = slots  # one sequence: the oracle knows one continuation
         d = self.block_size - 1
-        start = self.past_len - self.prompt_len + 1  # index of the token after the anchor
+        start = self.past_length(slot) - self.prompt_len + 1  # index of the token after the anchor
         lp = torch.full((d, TINY_VOCAB), -1e4)
         for k in range(d):
             j = start + k
             lp[k, self.seq[j] if j < len(self.seq) else 0] = 0.0
-        return torch.log_softmax(lp, dim=-1)
+        return [torch.log_softmax(lp, dim=-1)]
 
 
 def test_oracle_drafter_reaches_block_size(tiny):
@@ -229,13 +230,13 @@ def test_tree_never_leaves_the_context_window(tiny):
     prompt = (prompts[5] * limit)[: limit - 6]
     backend = TorchBackend(target, make_head(target, True))
     seen: list[int] = []
-    verify = backend.verify
+    verify_batch = backend.verify_batch
 
-    def spy(tree):
-        seen.append(backend.past_len + int(tree.depths.max()))
-        return verify(tree)
+    def spy(slots, trees):
+        seen.extend(backend.past_length(s) + int(t.depths.max()) for s, t in zip(slots, trees, strict=True))
+        return verify_batch(slots, trees)
 
-    backend.verify = spy
+    backend.verify_batch = spy
     res = SpeculativeGenerator(backend, budget=64, width=4).generate(prompt, 6)
     assert res.tokens == hf_greedy(hf, prompt, 6)
     assert seen and max(seen) <= limit - 1

@@ -18,7 +18,7 @@ from data_gen.toy import SMALL_HEAD_DIR, SMALL_TARGET_DIR, heldout_prompts, trai
 from data_gen.toy.tokenizer import prompt_ids
 from export.onnx_export import ExportSettings, export_engine
 from jetflow_pl.checkpoints import load_draft_head
-from jetflow_pl.decoding.cost_profile import model_identity
+from jetflow_pl.decoding.budget.cost_profile import model_identity
 from jetflow_pl.decoding.generator import ARGenerator, SpeculativeGenerator
 from jetflow_pl.draft_vocab_cli import main as draft_vocab_main
 from jetflow_pl.errors import CheckpointError

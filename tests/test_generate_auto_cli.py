@@ -9,7 +9,7 @@ import pytest
 
 import data_gen.toy
 from jetflow_pl.decoding.budget import AcceptanceProfile
-from jetflow_pl.decoding.cost_profile import CostProfile
+from jetflow_pl.decoding.budget.cost_profile import CostProfile
 from jetflow_pl.generate_cli import main as generate_main
 
 SMALL = data_gen.toy.SMALL_TARGET_DIR
@@ -72,7 +72,7 @@ def quick_profile(tmp_path_factory) -> Path:
     """A cost profile of the CLI's own backend (same fingerprint), measured on a short ladder: the tests
     below are about acceptance profiles, not about measuring costs."""
     from jetflow_pl.checkpoints import load_draft_head
-    from jetflow_pl.decoding.cost_profile import measure_cost_profile
+    from jetflow_pl.decoding.budget.cost_profile import measure_cost_profile
     from jetflow_pl.runtime.torch_backend import TorchBackend
     from jetflow_pl.target import TargetModel
 

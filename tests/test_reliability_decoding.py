@@ -161,22 +161,24 @@ def test_mask_token_at_the_end_of_the_vocabulary(tiny):
     mask id = vocab (one past the end, e.g. a tokenizer-added token the model lacks) fails up front."""
     target, hf = tiny
     backend = TorchBackend(target, make_head(target, mask_token_id=TINY_VOCAB - 1))
-    real_draft = backend.draft
+    real_draft = backend.draft_batch
 
-    def mask_heavy(anchor: int, depths: int | None = None) -> torch.Tensor:
-        lp = real_draft(anchor, depths).clone()
-        lp[:, MASK_ID] = 0.0  # the mask token becomes every depth's favourite draft token
-        return lp
+    def mask_heavy(slots, anchors, depths: int | None = None) -> list[torch.Tensor]:
+        lps = [lp.clone() for lp in real_draft(slots, anchors, depths)]
+        for lp in lps:
+            lp[:, MASK_ID] = 0.0  # the mask token becomes every depth's favourite draft token
+        return lps
 
-    backend.draft = mask_heavy
+    backend.draft_batch = mask_heavy
     drafted: list[int] = []
-    real_verify = backend.verify
+    real_verify = backend.verify_batch
 
-    def spy(tree):
-        drafted.extend(tree.tokens[1:].tolist())
-        return real_verify(tree)
+    def spy(slots, trees):
+        for tree in trees:
+            drafted.extend(tree.tokens[1:].tolist())
+        return real_verify(slots, trees)
 
-    backend.verify = spy
+    backend.verify_batch = spy
     res = SpeculativeGenerator(backend, budget=16, width=2).generate(PROMPT, 12)
     assert MASK_ID in drafted  # the tree really carried the mask token
     assert res.tokens == hf_greedy(hf, PROMPT, 12)

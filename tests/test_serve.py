@@ -223,7 +223,7 @@ def engine_state(driver: EngineDriver) -> dict:
     """The engine and its backend's KV bookkeeping, read on the driver thread between steps."""
 
     def snap(engine):
-        backend = engine.backend.inner.backend  # FaultGuard -> batch adapter -> ScriptedBackend
+        backend = engine.backend.inner  # FaultGuard -> ScriptedBackend
         return {
             "idle": engine.idle,
             "active": engine.num_active,

@@ -7,7 +7,7 @@ A server submits requests and steps the engine; every step is one scheduling rou
 2. **prefill** joining requests, in chunks of at most `prefill_chunk` prompt tokens per step, so a long
    prompt never stalls the decoding requests for more than one chunk; a request whose prompt is done
    draws its first token from the prefill logits and decodes from the next round on;
-3. **decode** one round for every decoding request at once (`SpeculativeGenerator._round`: ONE head
+3. **decode** one round for every decoding request at once (`round.run_round`: ONE head
    forward, ONE target verify forward, each request with its own tree, KV length, acceptance, sampling
    settings and stop ids; the round's budget from the generator's policy, batch-aware for `auto`);
 4. **retire** finished requests (EOS / stop id, `max_new_tokens`, the context limit, or `cancel`): their
@@ -41,93 +41,22 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
 import torch
 
-from jetflow_pl.decoding.budget import AcceptanceStats, start_policy
+from jetflow_pl.decoding.budget import AcceptanceStats
+from jetflow_pl.decoding.round import GenerationResult, RoundSettings, run_round
 from jetflow_pl.decoding.sampling import SamplingConfig, choose_token
 from jetflow_pl.errors import UserInputError, check_finite
-from jetflow_pl.runtime.backend import DecodeBackend
-from jetflow_pl.tree import DraftTree
+from jetflow_pl.runtime.backend import BatchDecodeBackend
 
-if TYPE_CHECKING:
-    from jetflow_pl.decoding.generator import GenerationResult, SpeculativeGenerator
-
-__all__ = ["DecodeEngine", "EngineFull", "RequestHandle", "as_batch_backend"]
+__all__ = ["DecodeEngine", "EngineFull", "RequestHandle"]
 
 _TARGET_ADVICE = "a float16 overflow in the target is the usual cause; load it in bfloat16 or float32"
 
 
 class EngineFull(UserInputError):
     """The engine's queue of waiting requests is full (`max_queue`): retry later."""
-
-
-class SingleSequence:
-    """The batch protocol over a one-sequence `DecodeBackend` (one slot; every call goes through the
-    backend's own `prefill` / `draft` / `verify` / `commit`), so `SpeculativeGenerator.generate` is the
-    batch-of-one case of the same round and any `DecodeBackend` can be decoded by the engine."""
-
-    max_batch = 1
-    chunked_prefill = False
-
-    def __init__(self, backend: DecodeBackend) -> None:
-        self.backend = backend
-
-    @property
-    def block_size(self) -> int:
-        return self.backend.block_size
-
-    @property
-    def max_positions(self) -> int:
-        return self.backend.max_positions
-
-    def past_length(self, slot: int) -> int:
-        return self.backend.past_len
-
-    def prefill(self, prompt_ids: torch.Tensor, slot: int = 0) -> torch.Tensor:
-        return self.backend.prefill(prompt_ids)
-
-    def draft_batch(
-        self, slots: Sequence[int], anchors: Sequence[int], depths: int | None = None
-    ) -> list[torch.Tensor]:
-        return [self.backend.draft(int(anchors[0]), depths)]
-
-    def refine(self, tree: DraftTree) -> torch.Tensor:
-        return self.backend.refine(tree)
-
-    def verify_batch(self, slots: Sequence[int], trees: Sequence[DraftTree]) -> list[torch.Tensor]:
-        return [self.backend.verify(trees[0])]
-
-    def commit_batch(self, slots: Sequence[int], accepted: Sequence[Sequence[int]]) -> None:
-        self.backend.commit(list(accepted[0]))
-
-    def release(self, slot: int) -> None:
-        """Free the sequence's KV rows now where the backend can (a `SequenceBackend`); a plain
-        `DecodeBackend` is reset by its next prefill."""
-        release = getattr(self.backend, "release", None)
-        if release is not None:
-            release(0)
-
-
-class _Batched:
-    """A natively batched backend (`jetflow_pl.runtime.sequence.SequenceBackend`) as the engine sees it."""
-
-    chunked_prefill = True
-
-    def __init__(self, backend: Any) -> None:
-        self.backend = backend
-        self.max_batch = int(backend.max_batch)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.backend, name)
-
-
-def as_batch_backend(backend: Any) -> Any:
-    """`backend` with the batch protocol: itself when it batches natively, else a one-slot adapter."""
-    if hasattr(backend, "draft_batch") and int(getattr(backend, "max_batch", 1)) > 1:
-        return _Batched(backend)
-    return SingleSequence(backend)
 
 
 @dataclass
@@ -149,6 +78,10 @@ class _Live:
     @property
     def reserved(self) -> int:
         return int(self.prompt.numel()) + self.max_new_tokens
+
+    @property
+    def result(self) -> GenerationResult:
+        return self.handle.result
 
 
 class RequestHandle:
@@ -208,19 +141,21 @@ class DecodeEngine:
             `max_new_tokens` each); None: no limit beyond the slots. A request that alone needs more is
             refused at `submit`; others wait until enough is freed.
         max_queue: most waiting requests (None: unbounded); `submit` raises `EngineFull` beyond it.
+        backend: what the engine drives instead of `generator.backend` (a wrapper around it, e.g. the
+            server's fault guard); the budget policy is still started on `generator.backend`.
     """
 
     def __init__(
         self,
-        generator: SpeculativeGenerator,
+        generator: RoundSettings,
         max_batch: int | None = None,
         prefill_chunk: int | None = 256,
         max_kv_tokens: int | None = None,
         max_queue: int | None = None,
-        backend: Any = None,
+        backend: BatchDecodeBackend | None = None,
     ) -> None:
         self.generator = generator
-        self.backend = as_batch_backend(generator.backend) if backend is None else backend
+        self.backend: BatchDecodeBackend = generator.backend if backend is None else backend
         limit = int(self.backend.max_batch)
         if max_batch is None:
             max_batch = limit
@@ -236,7 +171,7 @@ class DecodeEngine:
         if max_kv_tokens is not None and max_kv_tokens < 1:
             raise UserInputError(f"max_kv_tokens must be >= 1 (or None), got {max_kv_tokens}")
         self.max_batch = int(max_batch)
-        self.prefill_chunk = prefill_chunk if self.backend.chunked_prefill else None
+        self.prefill_chunk = prefill_chunk
         self.max_kv_tokens = max_kv_tokens
         self.max_queue = max_queue
         self._ids = itertools.count()
@@ -262,8 +197,6 @@ class DecodeEngine:
         generator's `eos_token_id`. `budget`: a fixed draft budget for this request's trees (None: the
         generator's policy). Bad input is one `UserInputError`, before anything is queued.
         """
-        from jetflow_pl.decoding.generator import GenerationResult
-
         gen = self.generator
         prompt = gen.check_prompt(prompt_ids, max_new_tokens)
         sampling = sampling or SamplingConfig()
@@ -334,7 +267,7 @@ class DecodeEngine:
         self._admit()
         self._prefill()
         if self._decoding:
-            self.generator._round(self.backend, self._decoding)
+            run_round(self.generator, self.backend, self._decoding)
             self.rounds += 1
             for live in [lv for lv in self._decoding if lv.handle.result.finish_reason != "running"]:
                 self._decoding.remove(live)
@@ -359,7 +292,7 @@ class DecodeEngine:
         use; they are freed before any request takes a slot (measuring between rounds corrupted live
         requests' KV). `step` calls it; call it first to keep that measurement out of a timed run."""
         if not self._started:
-            start_policy(self.generator.budget_policy, self.backend.backend, self.max_batch)
+            self.generator.budget_policy.start(self.generator.backend, self.max_batch)
             self.backend.release(0)
             self._started = True
 

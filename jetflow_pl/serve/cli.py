@@ -1,9 +1,10 @@
 """`jetflow-serve` / `python -m jetflow_pl.serve`: the OpenAI-compatible server (docs/SERVING.md).
 
 Serves a target + head (`--backend torch`, batched: `--max-batch` requests decode together) or an
-exported engine directory (`--engine-dir DIR --backend onnxruntime|tensorrt`, which carries its own
-tokenizer; those engines are batch 1, so requests are served one at a time through the same API). The
-model loading and the flags shared with `jetflow-generate` are that command's (`generate_cli`).
+exported engine directory (`--engine-dir DIR --backend onnxruntime|tensorrt`, enough alone: it carries
+the graphs, config and tokenizer, and the model name is the folder's; batch-1 engines serve one request at
+a time through the same API). The model loading and the flags shared with `jetflow-generate` are in
+`decode_options`.
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ from jetflow_pl.decode_options import (
     budget_policy,
     check_device,
     int_at_least,
-    load_checked_head,
-    load_tokenizer,
+    load_models,
     parse_budget,
 )
 from jetflow_pl.errors import NumericalError, UserInputError
@@ -33,8 +33,18 @@ def build_parser() -> argparse.ArgumentParser:
     from jetflow_pl.runtime.loader import BACKEND_KINDS
 
     p = argparse.ArgumentParser(prog="jetflow-serve", description=__doc__.splitlines()[0])
-    p.add_argument("--target", type=Path, default=None, help="target model directory (HF format)")
-    p.add_argument("--head", type=Path, default=None, help="draft head directory; omitted = untrained head")
+    p.add_argument(
+        "--target",
+        type=Path,
+        default=None,
+        help="target model directory (HF format; optional with --engine-dir)",
+    )
+    p.add_argument(
+        "--head",
+        type=Path,
+        default=None,
+        help="draft head directory; omitted = untrained head (an --engine-dir's graphs hold their own head)",
+    )
     p.add_argument(
         "--backend",
         choices=[*BACKEND_KINDS, "graph"],
@@ -98,41 +108,22 @@ def load_server_parts(args: argparse.Namespace) -> tuple[Any, Any, str]:
 
         torch.set_num_threads(args.threads)
     kind = resolve_kind(args.backend or ("onnxruntime" if args.engine_dir is not None else "torch"))
+    # an engine directory alone is enough (graphs, config, tokenizer); no head is made for it
+    target, head, tokenizer = load_models(args, kind, note=log.warning)
     if kind in ENGINE_KINDS:
-        if args.engine_dir is None:
-            raise UserInputError(f"--backend {kind} needs --engine-dir DIR (written by jetflow-export)")
-        from jetflow_pl.runtime.contract import TOKENIZER_DIR
-
         backend = load_backend(
             kind,
             engine_dir=args.engine_dir,
             device=args.device if kind == "tensorrt" else None,
             intra_op_threads=args.threads,
         )
-        tokenizer = load_tokenizer(
-            args.target if args.target is not None else args.engine_dir / TOKENIZER_DIR
-        )
-        name = args.served_model_name or args.engine_dir.resolve().name
+    elif kind == "torch":
+        from jetflow_pl.runtime.torch_backend import TorchBackend
+
+        backend = TorchBackend(target, head, max_batch=args.max_batch)
     else:
-        if args.target is None:
-            raise UserInputError(f"--backend {kind} needs --target DIR (or serve an --engine-dir)")
-        from jetflow_pl.target import TargetModel
-
-        target = TargetModel.from_pretrained(args.target, device=args.device)
-        tokenizer = load_tokenizer(args.target)
-        target.check_tokenizer(tokenizer)
-        if args.head is None:
-            log.warning("no --head given; drafting with an untrained (random) head")
-        head = load_checked_head(args.head, target, tokenizer, args.device)
-        if kind == "torch":
-            from jetflow_pl.runtime.torch_backend import TorchBackend
-
-            backend = TorchBackend(target, head, max_batch=args.max_batch)
-        else:
-            backend = load_backend(
-                kind, target=target, head=head, device=args.device, topk=max(8, args.width)
-            )
-        name = args.served_model_name or args.target.resolve().name
+        backend = load_backend(kind, target=target, head=head, device=args.device, topk=max(8, args.width))
+    name = args.served_model_name or (args.engine_dir if kind in ENGINE_KINDS else args.target).resolve().name
     try:
         backend.check_width(args.width)
     except ValueError as err:
@@ -143,12 +134,11 @@ def load_server_parts(args: argparse.Namespace) -> tuple[Any, Any, str]:
 
 def make_app(args: argparse.Namespace):
     """The FastAPI app (and its driver) the flags describe."""
-    from jetflow_pl.decoding.engine import as_batch_backend
     from jetflow_pl.serve.app import ServeConfig, create_app
     from jetflow_pl.serve.driver import EngineDriver
 
     gen, tokenizer, name = load_server_parts(args)
-    max_batch = min(args.max_batch, int(as_batch_backend(gen.backend).max_batch))
+    max_batch = min(args.max_batch, int(gen.backend.max_batch))
     if max_batch < args.max_batch:
         log.warning(
             "%s decodes at most %d request(s) at a time: --max-batch %d -> %d",

@@ -165,9 +165,7 @@ class EngineDriver:
     @classmethod
     def for_generator(cls, generator: Any, **engine_kwargs: Any) -> EngineDriver:
         """A driver over `generator.engine(**engine_kwargs)` with a `FaultGuard` around its backend."""
-        from jetflow_pl.decoding.engine import as_batch_backend
-
-        guard = FaultGuard(as_batch_backend(generator.backend))
+        guard = FaultGuard(generator.backend)
         driver = cls(DecodeEngine(generator, backend=guard, **engine_kwargs), guard)
         guard.locate = driver._request_at
         return driver

@@ -34,14 +34,12 @@ def _finite(x: torch.Tensor) -> bool:
 class FaultGuard:
     """The engine's batch backend with per-request finiteness checks (see the module docstring).
 
-    Everything else is delegated to `inner` (the engine's `as_batch_backend(...)` object), so the engine
+    Everything else is delegated to `inner` (the generator's backend), so the engine
     schedules exactly as without the guard.
     """
 
     def __init__(self, inner: Any, locate: Callable[[int], Hashable] | None = None) -> None:
         self.inner = inner
-        # the model backend itself (what `DecodeEngine` measures a cost profile on)
-        self.backend = getattr(inner, "backend", inner)
         #: slot -> the request holding it now (default: the slot itself)
         self.locate = locate
         #: request (as `locate` names it) -> why it failed, since the last `take_faults()`

@@ -43,7 +43,6 @@ chooser passes the longest KV length of the round's requests, which a padded bat
 from __future__ import annotations
 
 import datetime
-import hashlib
 import itertools
 import json
 import logging
@@ -62,6 +61,7 @@ from typing import Any
 import torch
 
 from jetflow_pl.errors import UserInputError, check_finite
+from jetflow_pl.files import atomic_write_text, json_digest
 from jetflow_pl.runtime.backend import DecodeBackend, max_budget, vocab_size
 from jetflow_pl.tree import SCORE_QUANTUM, DraftTree, accept_greedy, build_tree
 
@@ -129,7 +129,7 @@ class CostProfileMismatch(UserInputError):
 
 
 def _digest(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return json_digest(obj, 16)
 
 
 def _config_digest(config: Any) -> str:
@@ -481,13 +481,8 @@ class CostProfile:
         return d
 
     def save(self, path: str | Path) -> Path:
-        """Write as JSON via a temp file + rename, so a reader never sees half a profile."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
-        tmp.replace(path)
-        return path
+        """Write as JSON atomically (`files.atomic_write_text`): a reader never sees half a profile."""
+        return atomic_write_text(path, json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> CostProfile:

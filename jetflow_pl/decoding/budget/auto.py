@@ -5,17 +5,8 @@ Speed at budget k is tau(k) / cost(k): expected tokens per round over the round'
 `AutoBudget` plays the k that maximizes it and plays 0 (plain AR: no draft forward at all) when no k
 is expected to beat AR, so `auto` is never expected to be slower than AR.
 
-Learning tau(k) costs nothing extra because of how trees are built (`tree.build_tree`): nodes are
-inserted best-first, each parent before its children, and building stops the moment the budget is
-reached, so the first k+1 nodes of a budget-K tree ARE the budget-k tree (same nodes, same order; the
-depth cap `min(D, k)` never bites inside them because a node at depth d has d ancestors before it).
-An acceptance walk moves along increasing node ids, and at each node it takes the first child (in
-node order) carrying the target's token; in the budget-k prefix the children of a node are a prefix
-of its children. So the walk on the budget-k tree is the walk on the budget-K tree cut at the first
-node id > k, and one verified round at budget K tells the accept length of every budget k <= K
-(`accept_length_at`). That holds for greedy acceptance and, drawing the same tokens, for sampling.
-It does not hold for branch-conditioned refinement (a refined tree is a selection, not a prefix), so
-`auto` refuses `refine_factor`.
+Learning tau(k) costs nothing extra: one verified round at budget K tells the accept length of every
+budget k <= K (`acceptance.py`), which is why `auto` refuses `refine_factor`.
 
 The estimate of tau(k) is the mean accept length at k over the rounds seen, shrunk toward a prior
 (`AcceptanceProfile`, e.g. a calibration file saved beside the head) worth `prior_weight` pseudo-rounds,
@@ -43,7 +34,7 @@ session whose data changed looks again. What this saves is largest at large batc
 repeats what the session already knows, at a loss (measured, ONNX Runtime: 8-21% of the request-rounds
 of a fresh `auto` at 16 requests went to budgets 8-32).
 
-**A batch of requests** (continuous batching, `choose_batch` / `observe_batch`) shares one budget per
+**A batch of requests** (continuous batching: `RoundInfo` with B requests) shares one budget per
 round: one head forward and one verify forward of B trees padded to the largest. The round's cost is then
 `cost(k, B)` in batched AR steps (`CostProfile.cost(k, batch=B)`: t(B, k+1) + draft + B builds over
 t(B, 1), measured per machine), and what it yields is the sum over the requests of their tau_i(k), so
@@ -60,11 +51,11 @@ batch grows and plays AR where speculation cannot pay; a batch of one is exactly
 **The KV length.** A round's cost ratio depends on the KV length it runs at (an AR step pays the
 attention over the cache once, a tree's rows share that read but add their compute, so trees cost more
 AR steps on short sequences: `CostProfile` module doc). The decode loop tells the policy the round's
-length before each choice (`note_kv_len`: the longest of its requests, which a padded batch runs at),
+length before each choice (`RoundInfo.kv_len`: the longest of its requests, which a padded batch runs at),
 and every cost the policy reads, its clock check included, is the profile's at that length.
 
 **Tokens left.** A request can take at most the tokens it may still produce (`max_new_tokens` minus what
-it has), so a tree's yield for it counts at most that many (`note_remaining`, told by the decode loop
+it has), so a tree's yield for it counts at most that many (`RoundInfo.remaining`, told by the decode loop
 before each choice): min(tau_i(k), r_i), against AR's one token. A request with one token left gains
 nothing from a tree; near the end of a batch's requests a tree round is no longer bought for tokens
 nobody can take (measured, SmolLM2, torch, 16 requests x 48 tokens: a budget-2 round for 8 requests
@@ -73,7 +64,7 @@ with 0-2 tokens left cost 205 ms against an AR round's 126 ms and bought nothing
 **Checking the cost profile against the clock** (`check_costs`, default on). A profile is measured once,
 under whatever load the machine had then; decoding later, on a busier or a quieter machine, the ratios can
 be off by 2x (measured: a batch-16 round on ONNX Runtime that the profile put at 1.4 AR steps took 2.9).
-So the decode loop reports each round's wall time (`observe_time`: budget, batch size, seconds; draft,
+So the decode loop reports each round's wall time (`RoundResult.seconds`, to `observe_time`; draft,
 build, verify, acceptance and commit, what the profile's cost covers), and the policy keeps the last
 `timing_window` ratios observed / profiled seconds per (budget, batch bucket: the sizes the profile costs
 with one measured row, so a batch draining from 16 to 9 requests is learned once). Once `timing_samples`
@@ -94,27 +85,18 @@ and tries speculating again (a few rounds per expiry).
 
 from __future__ import annotations
 
-import json
 import math
-import os
-from bisect import bisect_left, bisect_right
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
-from itertools import pairwise
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
 
-from jetflow_pl.decoding.cost_profile import LADDER_NODES, CostProfile, cost_profile_for
-from jetflow_pl.errors import UserInputError
+from jetflow_pl.decoding.budget.acceptance import AcceptanceProfile, AcceptanceStats, accept_length_at
+from jetflow_pl.decoding.budget.cost_profile import CostProfile, batch_sizes_for, cost_profile_for
+from jetflow_pl.decoding.budget.policy import RoundInfo, RoundResult
 from jetflow_pl.runtime.backend import DecodeBackend, max_budget
 from jetflow_pl.tree import DraftTree
 
-#: the budgets `auto` chooses among (capped by the backend and the cost profile): 0, 1, 2, 4, ..., 256
-LADDER_BUDGETS = tuple(n - 1 for n in LADDER_NODES)
-ACCEPTANCE_PROFILE_VERSION = 1
-#: file name of an acceptance profile saved beside a head (`generate` reads it as the prior)
-ACCEPTANCE_PROFILE_FILE = "acceptance_profile.json"
 #: the least variance of an accept length that `AutoBudget`'s upper bound assumes: a few rounds that all
 #: committed the same number of tokens do not show that the next one will (lengths are integers, and
 #: 1/4 is the variance of one that is L or L+1 equally often, the least spread integer data can have
@@ -127,208 +109,6 @@ def _upper_median(xs: Iterable[float]) -> float:
     so a cost is lowered on paired evidence only when every pair, or a majority, says "cheaper"."""
     ordered = sorted(xs)
     return ordered[len(ordered) // 2]
-
-
-def accept_length_at(accepted: Sequence[int], budget: int) -> int:
-    """Tokens the round would have committed (accepted + 1) had its tree held only the first `budget + 1`
-    nodes: 1 + the accepted node ids <= budget (the ids increase along the path; see the module doc)."""
-    return bisect_right(accepted, budget)
-
-
-# --------------------------------------------------------------------------------------------------
-# acceptance: observed and prior
-# --------------------------------------------------------------------------------------------------
-
-
-class AcceptanceStats:
-    """Sums and counts of per-round accept lengths at each of `budgets` (the counterfactual ones too), and
-    of each budget's gain over the next smaller one on the same rounds (`mean_gain`)."""
-
-    def __init__(self, budgets: Sequence[int] = LADDER_BUDGETS) -> None:
-        self.budgets = tuple(sorted(set(int(k) for k in budgets)))
-        self.sums = [0.0] * len(self.budgets)
-        self.square_sums = [0.0] * len(self.budgets)
-        self.gain_sums = [0.0] * len(self.budgets)
-        self.counts: list[float] = [0] * len(self.budgets)
-
-    def observe(self, accepted: Sequence[int], tree_budget: int) -> None:
-        """Record one verified round: `accepted` node ids (root first) of a tree of `tree_budget` drafts."""
-        below = 1  # the accept length one budget down (a tree of no drafts commits the bonus token only)
-        for i, k in enumerate(self.budgets):
-            if k > tree_budget:
-                break
-            length = accept_length_at(accepted, k)
-            self.sums[i] += length
-            self.square_sums[i] += length * length
-            self.gain_sums[i] += length - below
-            self.counts[i] += 1
-            below = length
-
-    def fade(self, memory: int) -> None:
-        """Keep at most `memory` rounds' worth per budget, older ones counting less (means unchanged)."""
-        for i, c in enumerate(self.counts):
-            if c > memory:
-                self.sums[i] *= memory / c
-                self.square_sums[i] *= memory / c
-                self.gain_sums[i] *= memory / c
-                self.counts[i] = memory
-
-    def mean(self, budget: int) -> float | None:
-        """Mean accept length at `budget` (None if never observed)."""
-        i = self.budgets.index(budget)
-        return self.sums[i] / self.counts[i] if self.counts[i] else None
-
-    def mean_gain(self, budget: int) -> float | None:
-        """Mean of (accept length at `budget`) - (accept length at the next smaller budget) over the rounds
-        that covered `budget` (None if never observed). A paired difference: both terms come from the same
-        rounds, so it does not depend on which stretch of text those rounds happened to fall in."""
-        i = self.budgets.index(budget)
-        return self.gain_sums[i] / self.counts[i] if self.counts[i] else None
-
-    def count(self, budget: int) -> float:
-        return self.counts[self.budgets.index(budget)]
-
-    def variance(self, budget: int) -> float | None:
-        """Variance of the accept length at `budget` over the rounds seen (None below two rounds)."""
-        i = self.budgets.index(budget)
-        n = self.counts[i]
-        if n < 2:
-            return None
-        mean = self.sums[i] / n
-        return max(0.0, self.square_sums[i] / n - mean * mean)
-
-    def to_profile(self, width: int, **meta: Any) -> AcceptanceProfile:
-        """The observed budgets as an `AcceptanceProfile` (e.g. to save as the next run's prior)."""
-        seen = [i for i, c in enumerate(self.counts) if c]
-        if not seen:
-            raise ValueError("no round was observed: nothing to build an acceptance profile from")
-        return AcceptanceProfile(
-            budgets=[self.budgets[i] for i in seen],
-            tau=[self.sums[i] / self.counts[i] for i in seen],
-            rounds=[round(self.counts[i]) for i in seen],
-            width=int(width),
-            **meta,
-        )
-
-
-@dataclass
-class AcceptanceProfile:
-    """Expected tokens per round tau(k) of a head at a few budgets k (the prior of `AutoBudget`).
-
-    `at(k)` between measured budgets is the value at the largest measured budget <= k: tau is
-    non-decreasing in k, so that is a lower bound and never makes an unmeasured budget look better.
-    """
-
-    budgets: list[int]
-    tau: list[float]
-    rounds: list[int]
-    width: int
-    head: str = ""
-    note: str = ""
-    version: int = ACCEPTANCE_PROFILE_VERSION
-    source: str = field(default="", compare=False)
-
-    def __post_init__(self) -> None:
-        if not self.budgets or not (len(self.budgets) == len(self.tau) == len(self.rounds)):
-            raise UserInputError("an acceptance profile needs matching, non-empty budgets, tau and rounds")
-        if any(b <= a for a, b in pairwise(self.budgets)):
-            raise UserInputError(f"acceptance profile budgets must increase, got {self.budgets}")
-        for k, t in zip(self.budgets, self.tau, strict=True):
-            if not (math.isfinite(t) and 1.0 <= t <= k + 1 + 1e-9):
-                raise UserInputError(f"acceptance profile tau({k}) = {t} is outside [1, {k + 1}]")
-
-    def at(self, budget: int) -> float:
-        i = bisect_right(self.budgets, budget) - 1
-        return 1.0 if i < 0 else float(self.tau[i])
-
-    def rounds_at(self, budget: int) -> int:
-        i = bisect_right(self.budgets, budget) - 1
-        return 0 if i < 0 else int(self.rounds[i])
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("source")
-        return d
-
-    def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
-        tmp.replace(path)
-        return path
-
-    @classmethod
-    def load(cls, path: str | Path) -> AcceptanceProfile:
-        path = Path(path)
-        if not path.is_file():
-            raise UserInputError(f"acceptance profile {path} does not exist")
-        try:
-            data = json.loads(path.read_text())
-            if not isinstance(data, dict):
-                raise TypeError("not a JSON object")
-            if data.get("version") != ACCEPTANCE_PROFILE_VERSION:
-                raise ValueError(f"version {data.get('version')!r}, expected {ACCEPTANCE_PROFILE_VERSION}")
-            prof = cls(**data)
-        except UserInputError as err:
-            raise UserInputError(f"acceptance profile {path}: {err}") from err
-        except (OSError, ValueError, TypeError) as err:
-            raise UserInputError(f"acceptance profile {path} is not readable ({err})") from err
-        prof.source = str(path)
-        return prof
-
-
-# --------------------------------------------------------------------------------------------------
-# policies
-# --------------------------------------------------------------------------------------------------
-
-
-@runtime_checkable
-class BudgetPolicy(Protocol):
-    """Picks the draft budget of each round of one generation (`SpeculativeGenerator(budget=policy)`).
-
-    `max_budget`: the largest budget it may pick, checked against the backend up front (None: it caps
-    itself in `start`). `start` runs once per generation, after the prompt is validated and before the
-    prefill (it may use the backend, e.g. to measure costs); `choose` gives the next round's budget;
-    `observe` gets the verified tree and the accepted node ids (root first). Optional hooks the decode
-    loop calls when a policy has them: `plan_batch(max_batch)` before `start`, `note_remaining(counts)`
-    and `note_kv_len(length)` before each choice (the tokens each request of the round may still
-    produce; the longest KV length among them), `choose_batch` / `observe_batch` / `observe_time` (see
-    `AutoBudget`).
-    """
-
-    max_budget: int | None
-
-    def start(self, backend: DecodeBackend) -> None: ...
-
-    def choose(self) -> int: ...
-
-    def observe(self, tree: DraftTree, accepted: Sequence[int]) -> None: ...
-
-
-@dataclass
-class FixedBudget:
-    """The same budget every round (0 = autoregressive)."""
-
-    budget: int
-
-    def __post_init__(self) -> None:
-        if int(self.budget) < 0:
-            raise UserInputError(f"budget must be >= 0, got {self.budget}")
-        self.budget = int(self.budget)
-
-    @property
-    def max_budget(self) -> int:
-        return self.budget
-
-    def start(self, backend: DecodeBackend) -> None:
-        pass
-
-    def choose(self) -> int:
-        return self.budget
-
-    def observe(self, tree: DraftTree, accepted: Sequence[int]) -> None:
-        pass
 
 
 class AutoBudget:
@@ -355,8 +135,6 @@ class AutoBudget:
             session of many prompts probes only once without a prior and adapts to the data it decodes.
         request_weight: under batching, pseudo-rounds of the session estimate each request's own
             acceptance is shrunk toward (module doc).
-        max_batch: the most requests per round the cost profile must cover (`plan_batch`, which the
-            engine calls with its own `max_batch`; None: `cost_profile.DEFAULT_MEASURED_BATCH`).
         check_costs, timing_samples, timing_window, check_every, max_check_every: correcting the cost
             profile with the measured wall time of the rounds played (module doc); off: the profile alone.
         confidence: standard errors above a budget's estimated tau that its speed's upper bound adds;
@@ -388,7 +166,6 @@ class AutoBudget:
         learn: bool = True,
         memory: int = 64,
         request_weight: float = 4.0,
-        max_batch: int | None = None,
         check_costs: bool = True,
         timing_samples: int = 2,
         timing_window: int = 5,
@@ -426,11 +203,11 @@ class AutoBudget:
         if request_weight < 0:
             raise ValueError("request_weight must be >= 0")
         self.request_weight = float(request_weight)
-        self.max_batch = None if max_batch is None else max(1, int(max_batch))
+        self.max_batch = 1  # the most requests per round the cost profile covers (`start`)
         self._batch: Sequence[AcceptanceStats] | None = None
-        # the tokens each request of the next round may still produce (`note_remaining`; None: unbounded)
+        # the tokens each request of the next round may still produce (`RoundInfo.remaining`; None: unbounded)
         self._remaining: list[int] | None = None
-        # the KV length the next round runs at (`note_kv_len`; None: the cost profile's own)
+        # the KV length the next round runs at (`RoundInfo.kv_len`; None: the profile's own)
         self._kv_len: int | None = None
         if prior_weight < 0 or probe_rounds < 0 or probe_cost < 1 or explore_every < 1 or probe_every < 1:
             raise ValueError("prior_weight, probe_rounds >= 0; probe_cost, explore_every, probe_every >= 1")
@@ -473,8 +250,11 @@ class AutoBudget:
         self._probing = False
         self._last_choice = 0
 
-    def start(self, backend: DecodeBackend) -> None:
-        """Resolve the cost profile for `backend` (first time only), fix the candidates, reset estimates."""
+    def start(self, backend: DecodeBackend, max_batch: int = 1) -> None:
+        """Resolve the cost profile for `backend` covering rounds of up to `max_batch` requests (measured or
+        loaded the first time, completed when the engine now batches more), fix the candidates, reset the
+        per-generation state."""
+        self.max_batch = max(1, int(max_batch))
         # a profile given by the caller is used as given; one resolved here belongs to that backend (and is
         # completed when the engine now batches more requests than it covers)
         resolved_here = self._resolved_for is not None
@@ -497,15 +277,8 @@ class AutoBudget:
         self.candidates = candidates
         self._reset_generation()
 
-    def plan_batch(self, max_batch: int) -> None:
-        """Decoding will batch up to `max_batch` requests per round (before `start`): the cost profile
-        resolved at `start` covers that many."""
-        self.max_batch = max(1, int(max_batch))
-
     def _batch_limit(self, backend: DecodeBackend) -> int:
         """The largest batch size the profile should cover for `backend` (1: no batching planned)."""
-        from jetflow_pl.decoding.cost_profile import batch_sizes_for
-
         return max([1, *batch_sizes_for(backend, self.max_batch)])
 
     # ---- estimates --------------------------------------------------------------------------------
@@ -537,22 +310,10 @@ class AutoBudget:
 
     def speeds(self) -> dict[int, float]:
         """Expected speed of every candidate in AR tokens per AR step (AR itself: 1); a tree's yield counts
-        at most the tokens the request may still produce (`note_remaining`)."""
+        at most the tokens the request may still produce (`RoundInfo.remaining`)."""
         assert self.cost is not None, "call start(backend) first"
         cap = self._cap(0)
         return {k: min(tau, cap) / self.round_cost(k) for k, tau in self.estimates().items()}
-
-    def note_remaining(self, remaining: Sequence[int] | None) -> None:
-        """The tokens each request of the next round may still produce (request order, as the next
-        `choose_batch`; one for `choose`), or None for no bound. Holds until that round is observed."""
-        self._remaining = None if remaining is None else [max(1, int(r)) for r in remaining]
-
-    def note_kv_len(self, kv_len: int | None) -> None:
-        """The KV length the next round runs at: the longest of its requests' (a batch's verify is padded
-        to it), or None for the cost profile's own. Holds until that round is observed. A round's cost
-        ratio depends on it (`CostProfile.cost`): an AR step pays the attention over the cache once, a
-        tree of N nodes N times, so trees are dearer on short sequences."""
-        self._kv_len = None if kv_len is None else max(1, int(kv_len))
 
     def _cap(self, i: int) -> float:
         """The most tokens request `i` of the next round can take (inf: no bound noted)."""
@@ -674,7 +435,7 @@ class AutoBudget:
     def observe_time(self, budget: int, batch: int, seconds: float) -> None:
         """Wall time of one round played at `budget` (every tree of that size) for `batch` requests.
 
-        Called by the decode loop before `observe`/`observe_batch` of the same round. Ends an AR check
+        Called by `observe` before the round's acceptance is recorded. Ends an AR check
         round: the next check waits an interval that doubles while checks do not change the choice.
         """
         if not self.check_costs or self.cost is None or not (seconds > 0 and math.isfinite(seconds)):
@@ -780,32 +541,21 @@ class AutoBudget:
         beats AR by `min_gain`."""
         return self._best_of(self.batch_speeds(requests))
 
-    def choose_batch(self, requests: Sequence[AcceptanceStats]) -> int:
-        """The shared budget of one round of `requests` (each one's acceptance so far); see the module doc."""
-        if self.cost is None:
-            raise RuntimeError("AutoBudget.choose_batch() before start(backend)")
-        self._explored_from = None
-        self._probing = False
-        self._checking = None
-        self._batch = list(requests)
-        self._last_choice = self._pick(self._batch)
-        return self._last_choice
-
-    def observe_batch(self, trees: Sequence[DraftTree], accepted: Sequence[Sequence[int]]) -> None:
-        """One round of the batch chosen by `choose_batch`: every request's tree and accepted node ids."""
-        batch = self._batch if self._batch is not None and len(self._batch) == len(trees) else None
-        self._observe(list(trees), [list(a) for a in accepted], batch)
-        self._batch = None
-
     # ---- the policy -------------------------------------------------------------------------------
-    def choose(self) -> int:
+    def choose(self, info: RoundInfo) -> int:
+        """The shared budget of one round of `info.requests` (each one's acceptance so far), priced at
+        `info.kv_len` and counting at most `info.remaining` tokens per request (module doc). The KV length
+        and the bounds hold until the round is observed: a round's cost ratio depends on the length (an AR
+        step pays the attention over the cache once, a tree of N nodes N times)."""
         if self.cost is None:
             raise RuntimeError("AutoBudget.choose() before start(backend)")
+        self._remaining = None if info.remaining is None else [max(1, int(r)) for r in info.remaining]
+        self._kv_len = None if info.kv_len is None else max(1, int(info.kv_len))
         self._explored_from = None
         self._probing = False
         self._checking = None
-        self._batch = None
-        self._last_choice = self._pick()
+        self._batch = list(info.requests)
+        self._last_choice = self._pick(self._batch)
         return self._last_choice
 
     def _pick(self, batch: Sequence[AcceptanceStats] | None = None) -> int:
@@ -876,8 +626,14 @@ class AutoBudget:
         """Whether some candidate in (best, top] could beat the choice `best` (`_largest_that_could_pay`)."""
         return self._largest_that_could_pay(best, top, speeds, batch) > 0
 
-    def observe(self, tree: DraftTree, accepted: Sequence[int]) -> None:
-        self._observe([tree], [accepted], None)
+    def observe(self, result: RoundResult) -> None:
+        """One round of the batch last chosen for: its wall time first (`observe_time`, when its trees all
+        had one size), then every request's tree and accepted node ids."""
+        if result.seconds is not None and result.tree_budget is not None:
+            self.observe_time(result.tree_budget, result.batch, result.seconds)
+        batch = self._batch if self._batch is not None and len(self._batch) == result.batch else None
+        self._observe(list(result.trees), [list(a) for a in result.accepted], batch)
+        self._batch = None
 
     def _observe(
         self,
@@ -1003,73 +759,3 @@ class AutoBudget:
             rounds = len(self._fresh(1, None))
             line += f"; tree rounds took {tree / ar:.2f}x the profile's cost (clock, {rounds} rounds)"
         return line
-
-
-def start_policy(policy: BudgetPolicy, backend: DecodeBackend, max_batch: int = 1) -> None:
-    """Start `policy` on `backend` for rounds of up to `max_batch` requests: a batch-aware policy is told
-    the batch size first (`plan_batch`: `auto` then measures or loads costs up to it)."""
-    plan = getattr(policy, "plan_batch", None)
-    if plan is not None:
-        plan(int(max_batch))
-    policy.start(backend)
-
-
-def choose_round_budget(
-    policy: BudgetPolicy,
-    requests: Sequence[AcceptanceStats],
-    remaining: Sequence[int] | None = None,
-    kv_len: int | None = None,
-) -> int:
-    """The shared budget of one round for a batch of `len(requests)` requests (each request's own
-    acceptance so far in `requests`; `remaining`: the tokens each may still produce, and `kv_len`: the
-    longest KV length among them, told first to a policy that takes them, `note_remaining` /
-    `note_kv_len`): a batch-aware policy's `choose_batch`, else `choose()`. A batch of one is always
-    `choose()`, so batch-1 decoding is exactly what it was."""
-    note = getattr(policy, "note_remaining", None)
-    if note is not None:
-        note(remaining)
-    note_kv = getattr(policy, "note_kv_len", None)
-    if note_kv is not None:
-        note_kv(kv_len)
-    choose_batch = getattr(policy, "choose_batch", None)
-    if len(requests) > 1 and choose_batch is not None:
-        return int(choose_batch(requests))
-    return int(policy.choose())
-
-
-def observe_round(
-    policy: BudgetPolicy,
-    trees: Sequence[DraftTree],
-    accepted: Sequence[Sequence[int]],
-    seconds: float | None = None,
-) -> None:
-    """Report one round (every request's tree and accepted node ids) to `policy`: `observe_batch` for a
-    batch-aware policy (its schedule counts rounds, not requests), else `observe` per request. `seconds`,
-    the round's wall time, goes first to a policy that checks its costs (`observe_time`) when every tree
-    of the round had the same budget (a round of mixed sizes is not a sample of any one cost)."""
-    observe_time = getattr(policy, "observe_time", None)
-    sizes = {t.budget for t in trees}
-    if seconds is not None and observe_time is not None and len(sizes) == 1:
-        observe_time(sizes.pop(), len(trees), seconds)
-    observe_batch = getattr(policy, "observe_batch", None)
-    if len(trees) > 1 and observe_batch is not None:
-        observe_batch(trees, accepted)
-        return
-    for tree, acc in zip(trees, accepted, strict=True):
-        policy.observe(tree, acc)
-
-
-def resolve_budget(budget: int | str | BudgetPolicy) -> BudgetPolicy:
-    """`SpeculativeGenerator`'s `budget` argument as a policy: an int -> `FixedBudget`, "auto" ->
-    `AutoBudget()` (cost profile from this machine's cache, no prior), a policy as it is."""
-    if isinstance(budget, bool):
-        raise UserInputError(f"budget must be an int >= 0, 'auto' or a BudgetPolicy, got {budget!r}")
-    if isinstance(budget, int):
-        return FixedBudget(budget)
-    if isinstance(budget, str):
-        if budget.strip().lower() == "auto":
-            return AutoBudget()
-        raise UserInputError(f"budget must be an int >= 0, 'auto' or a BudgetPolicy, got {budget!r}")
-    if isinstance(budget, BudgetPolicy):
-        return budget
-    raise UserInputError(f"budget must be an int >= 0, 'auto' or a BudgetPolicy, got {type(budget).__name__}")

@@ -1,0 +1,79 @@
+"""Writing files so that a crash never leaves half of one, and naming cached results by what made them.
+
+Every file the project writes for a later run to read (a cost profile, an acceptance profile, a
+teacher-cache shard, a regenerated dataset's metadata, a benchmark's JSON) goes through
+`atomic_write_bytes` / `atomic_write_text` / `atomic_write_json`: the bytes land in a hidden temporary
+file beside the target, are flushed to disk, and replace the target in one rename. A reader sees the
+old file or the new one, never a prefix of the new one, and a killed writer leaves only a
+`.tmp-PID-NAME` file that `stale_temporaries` finds.
+
+A cache is keyed by `json_digest(fingerprint)`: the SHA-256 of the fingerprint as canonical JSON
+(sorted keys), so the same inputs always name the same entry and any change names a new one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = ["atomic_write_bytes", "atomic_write_json", "atomic_write_text", "json_digest", "stale_temporaries"]
+
+_TMP_PREFIX = ".tmp-"
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename in `folder` durable (a no-op where directories cannot be opened, e.g. Windows)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    """Write `data` to `path` (parents created) through a temp file + fsync + rename; returns `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{_TMP_PREFIX}{os.getpid()}-{path.name}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """`atomic_write_bytes` of `text` in UTF-8."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | Path, obj: Any, indent: int | None = 2, sort_keys: bool = False) -> Path:
+    """`obj` as JSON (one trailing newline), written atomically."""
+    return atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=sort_keys) + "\n")
+
+
+def stale_temporaries(folder: str | Path) -> Iterator[Path]:
+    """The temp files a killed `atomic_write_*` left in `folder` (never a finished file)."""
+    yield from Path(folder).glob(f"{_TMP_PREFIX}*")
+
+
+def json_digest(obj: Any, length: int | None = None) -> str:
+    """SHA-256 hex digest of `obj` as canonical JSON (sorted keys; non-JSON values by `str`), cut to
+    `length` characters when given: the name of a cache entry made from `obj`."""
+    digest = hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+    return digest if length is None else digest[:length]
