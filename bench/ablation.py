@@ -1,6 +1,6 @@
 """Causal vs bidirectional draft heads, trained identically, at uniform offset weights and at gamma 7.
 
-    OMP_NUM_THREADS=1 python bench/ablation.py all --steps 800 --out bench/results/ablation_toy.json
+    OMP_NUM_THREADS=1 python -m bench.ablation all --steps 800 --out bench/results/ablation_toy.json
 
 The paper's ablation (JetFlow/JetSpec) on the toy world: four heads from ONE base config
 (`configs/distill/toy_ablation.yaml`: 2 head layers, the raw toy corpora, seed 0), differing only in the
@@ -49,18 +49,16 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from bench.decode import (  # noqa: E402
+from bench.decode import (
     RoundRecorder,
     bootstrap_interval,
     domain_prompts,
     load_target,
     write_json,
 )
-from bench.head_study import set_dotted  # noqa: E402
+from bench.head_study import set_dotted
+
+REPO = Path(__file__).resolve().parents[1]
 
 #: name -> (what, {dotted key: value}) on top of the base config
 HEADS: dict[str, tuple[str, dict]] = {
@@ -239,8 +237,10 @@ def decode_head(
         out[domain] = {}
         budgets, max_new = plan[domain]["budgets"], plan[domain]["max_new_tokens"]
         for b in budgets:
-            rec = RoundRecorder(b)
-            gen = SpeculativeGenerator(backend, rec, width, eos_token_id=eos, refine_factor=refine_factor)
+            rec = RoundRecorder()
+            gen = SpeculativeGenerator(
+                backend, b, width, eos_token_id=eos, refine_factor=refine_factor, observers=[rec]
+            )
             rows = []
             for i, p in enumerate(ids):
                 rec.rounds.clear()
@@ -838,7 +838,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.target = base["model"]["init_args"]["target_path"]
     results = json.loads(args.out.read_text()) if args.out.is_file() else {}
     results.setdefault("commands", []).append(
-        " ".join(["python", "bench/ablation.py", *(argv if argv is not None else sys.argv[1:])])
+        " ".join(["python", "-m", "bench.ablation", *(argv if argv is not None else sys.argv[1:])])
     )
     results["base_config"] = str(args.base.relative_to(REPO) if args.base.is_absolute() else args.base)
     stages = ["train", "eval", "evidence", "refine", "report"] if args.stage == "all" else [args.stage]

@@ -1,11 +1,11 @@
 """Continuous batching: throughput at batch 1, 2, 4, 8 for AR vs fixed budgets vs the batch-aware `auto`.
 
-    OMP_NUM_THREADS=1 python bench/batching.py --target data_gen/toy/assets/small \\
+    OMP_NUM_THREADS=1 python -m bench.batching --target data_gen/toy/assets/small \\
         --head data_gen/toy/assets/small_head --batch 1 2 4 8 --budgets 0 4 16 auto \\
         --requests 16 --max-tokens 48 --out bench/results/batching_toy.json
 
     # ONNX Runtime: an engine directory with batched graphs (jetflow-export --max-batch N)
-    OMP_NUM_THREADS=1 python bench/batching.py --backend onnxruntime --engine-dir engines/toy-batched \
+    OMP_NUM_THREADS=1 python -m bench.batching --backend onnxruntime --engine-dir engines/toy-batched \
         --threads 1 --batch 1 2 4 --budgets 0 4 16 auto --out bench/results/batching_toy_ort.json
 
 No server in between (`bench/serve_load.py` measures through HTTP): the `DecodeEngine` itself, as a
@@ -45,21 +45,17 @@ from pathlib import Path
 
 import torch
 
+from bench.budget_auto import read_prompts  # the shared prompt reader
+from bench.load_plot import budget_label, plot_load
+from jetflow_pl.checkpoints import load_draft_head
+from jetflow_pl.decode_options import acceptance_prior, load_tokenizer
+from jetflow_pl.decoding import SpeculativeGenerator
+from jetflow_pl.decoding.budget import ACCEPTANCE_PROFILE_FILE, AutoBudget
+from jetflow_pl.runtime.ort_backend import OnnxRuntimeBackend
+from jetflow_pl.runtime.torch_backend import TorchBackend
+from jetflow_pl.target import TargetModel
+
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `python bench/batching.py` from anywhere
-    sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-
-from budget_auto import read_prompts  # noqa: E402  (bench/budget_auto.py: the shared prompt reader)
-from load_plot import budget_label, plot_load  # noqa: E402  (bench/load_plot.py)
-
-from jetflow_pl.checkpoints import load_draft_head  # noqa: E402
-from jetflow_pl.decode_options import acceptance_prior, load_tokenizer  # noqa: E402
-from jetflow_pl.decoding import SpeculativeGenerator  # noqa: E402
-from jetflow_pl.decoding.budget import ACCEPTANCE_PROFILE_FILE, AutoBudget  # noqa: E402
-from jetflow_pl.runtime.ort_backend import OnnxRuntimeBackend  # noqa: E402
-from jetflow_pl.runtime.torch_backend import TorchBackend  # noqa: E402
-from jetflow_pl.target import TargetModel  # noqa: E402
 
 DEFAULT_PROMPTS = REPO / "data_gen/toy/assets/heldout_prompts/math.jsonl"
 
@@ -265,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "budgets_played": runs[-1]["budgets_played"],
             }
     out = {
-        "command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]),
+        "command": shlex.join(["python", "-m", "bench.batching", *(argv or sys.argv[1:])]),
         "machine": {
             "platform": platform.platform(),
             "cpus": os.cpu_count(),

@@ -1,6 +1,6 @@
 """`--budget auto` against fixed budgets: tau, decode tokens/s and speedup, next to the cost-model ceiling.
 
-    python bench/budget_auto.py --target data_gen/toy/assets/small --head data_gen/toy/assets/small_head \\
+    python -m bench.budget_auto --target data_gen/toy/assets/small --head data_gen/toy/assets/small_head \\
         --out bench/results/budget_auto_toy.json
 
 Any target/head pair works (`--target models/SmolLM2-135M-Instruct --head DIR` for the real target), on
@@ -37,25 +37,22 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `python bench/budget_auto.py` from anywhere
-    sys.path.insert(0, str(REPO))
-
-import decode as dec  # noqa: E402  (bench/decode.py: the shared metric helpers)
-
-from jetflow_pl.chat import encode_prompt, row_messages  # noqa: E402
-from jetflow_pl.decode_options import load_backends, load_head_or_untrained  # noqa: E402
-from jetflow_pl.decoding import ARGenerator, GenerationResult, SpeculativeGenerator  # noqa: E402
-from jetflow_pl.decoding.budget import (  # noqa: E402
+from bench import decode as dec  # the shared metric helpers
+from jetflow_pl.chat import encode_prompt, row_messages
+from jetflow_pl.decode_options import load_backends, load_head_or_untrained
+from jetflow_pl.decoding import ARGenerator, GenerationResult, SpeculativeGenerator
+from jetflow_pl.decoding.budget import (
     ACCEPTANCE_PROFILE_FILE,
     AcceptanceProfile,
     AcceptanceStats,
     AutoBudget,
 )
-from jetflow_pl.decoding.cost_profile import CostProfile, cost_profile_for  # noqa: E402
-from jetflow_pl.generate_cli import hf_decode_tokens_per_s  # noqa: E402
-from jetflow_pl.prompt_files import load_local_rows  # noqa: E402
-from jetflow_pl.runtime.loader import BACKEND_KINDS  # noqa: E402
+from jetflow_pl.decoding.budget.cost_profile import CostProfile, cost_profile_for
+from jetflow_pl.generate_cli import hf_decode_tokens_per_s
+from jetflow_pl.prompt_files import load_local_rows
+from jetflow_pl.runtime.loader import BACKEND_KINDS
+
+REPO = Path(__file__).resolve().parents[1]
 
 DEFAULT_PROMPTS = REPO / "data_gen/toy/assets/heldout_prompts/math.jsonl"
 
@@ -232,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ar_tps = ar_stats["decode_tokens_per_s"]
     result: dict = {
         "command": shlex.join(
-            ["python", "bench/budget_auto.py", *(argv if argv is not None else sys.argv[1:])]
+            ["python", "-m", "bench.budget_auto", *(argv if argv is not None else sys.argv[1:])]
         ),
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {**cost.fingerprint, "load_average_1m": os.getloadavg()[0]},

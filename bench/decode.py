@@ -1,6 +1,6 @@
 """Decode benchmark: tau and decode tokens/s for AR and speculative decoding, per budget and domain.
 
-    python bench/decode.py --target data_gen/toy/assets/small [--head DIR] --out bench/results/decode.json
+    python -m bench.decode --target data_gen/toy/assets/small [--head DIR] --out bench/results/decode.json
 
 Every number comes from one run on one machine with one backend (torch). Without `--head` the head is
 untrained (random init): tau then shows the loop's floor, not the method's ceiling.
@@ -26,18 +26,16 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `python bench/decode.py` from anywhere
-    sys.path.insert(0, str(REPO))
+from data_gen.toy.splits import DOMAINS, heldout_prompts
+from data_gen.toy.tokenizer import prompt_ids
+from jetflow_pl.decode_options import load_head_or_untrained
+from jetflow_pl.decoding import ARGenerator, GenerationResult, SpeculativeGenerator
+from jetflow_pl.decoding.budget import RoundResult
+from jetflow_pl.runtime.loader import BACKEND_KINDS, load_backend
+from jetflow_pl.target import TargetModel
+from jetflow_pl.tree import DraftTree
 
-from data_gen.toy.splits import DOMAINS, heldout_prompts  # noqa: E402
-from data_gen.toy.tokenizer import prompt_ids  # noqa: E402
-from jetflow_pl.decode_options import load_head_or_untrained  # noqa: E402
-from jetflow_pl.decoding import ARGenerator, GenerationResult, SpeculativeGenerator  # noqa: E402
-from jetflow_pl.decoding.budget import FixedBudget  # noqa: E402
-from jetflow_pl.runtime.loader import BACKEND_KINDS, load_backend  # noqa: E402
-from jetflow_pl.target import TargetModel  # noqa: E402
-from jetflow_pl.tree import DraftTree  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def load_target(target_dir: Path):
@@ -141,15 +139,20 @@ def accepted_prefix(branch: Sequence[int], accepted: Sequence[int]) -> int:
 
 
 @dataclass
-class RoundRecorder(FixedBudget):
-    """A fixed budget that records every verified round (`SpeculativeGenerator(backend, RoundRecorder(k))`):
-    the accept length (tokens committed: accepted drafts + 1), whether the rank-1 branch
-    (`best_leaf_branch`) and the greedy branch (`greedy_branch`) were accepted in full, their lengths
-    and how many of the rank-1 branch's drafts were accepted. Clear `rounds` between prompts to keep them apart."""
+class RoundRecorder:
+    """A round observer (`SpeculativeGenerator(backend, k, observers=[RoundRecorder()])`) that records,
+    for every verified tree: the accept length (tokens committed: accepted drafts + 1), whether the
+    rank-1 branch (`best_leaf_branch`) and the greedy branch (`greedy_branch`) were accepted in full,
+    their lengths and how many of the rank-1 branch's drafts were accepted. Clear `rounds` between
+    prompts to keep them apart."""
 
     rounds: list[dict] = field(default_factory=list)
 
-    def observe(self, tree: DraftTree, accepted: Sequence[int]) -> None:
+    def __call__(self, result: RoundResult) -> None:
+        for tree, accepted in zip(result.trees, result.accepted, strict=True):
+            self.record(tree, accepted)
+
+    def record(self, tree: DraftTree, accepted: Sequence[int]) -> None:
         best, greedy = best_leaf_branch(tree), greedy_branch(tree)
         self.rounds.append(
             {
@@ -225,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
             "torch": torch.__version__,
             "threads": args.threads,
         },
-        "command": " ".join(["python", "bench/decode.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["python", "-m", "bench.decode", *(argv if argv is not None else sys.argv[1:])]),
         "backend": args.backend,
         "head": str(args.head) if args.head else "untrained (random init)",
         "width": args.width,

@@ -1,9 +1,9 @@
 """Distillation benchmarks: step time vs the target forward, loss-step peak memory, and the head comparison.
 
-    python bench/distill.py step    [--threads 1] [--out bench/results/distill.json]
-    python bench/distill.py compare --heads NAME=RUN_DIR ... [--out bench/results/distill_compare.json]
-    python bench/distill.py cached  --name NAME --target DIR [--dataset DIR] [--out bench/results/distill_cached.json]
-    python bench/distill.py vocab   [--target DIR --head HEAD] [--out bench/results/distill_vocab.json]
+    python -m bench.distill step    [--threads 1] [--out bench/results/distill.json]
+    python -m bench.distill compare --heads NAME=RUN_DIR ... [--out bench/results/distill_compare.json]
+    python -m bench.distill cached  --name NAME --target DIR [--dataset DIR] [--out bench/results/distill_cached.json]
+    python -m bench.distill vocab   [--target DIR --head HEAD] [--out bench/results/distill_vocab.json]
 
 `step` measures, on one machine and one batch:
 
@@ -56,7 +56,6 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 MMAP_THRESHOLD = 1 << 20  # bytes; glibc's MALLOC_MMAP_THRESHOLD_ for the memory subprocesses
 
 
@@ -230,7 +229,7 @@ def bench_memory(args: argparse.Namespace) -> dict:
     variants = [("naive", 0)] + [("chunked", c) for c in args.chunks]
     for impl, chunk in variants:
         cmd = [
-            sys.executable, str(Path(__file__).resolve()), "_memory_child", "--impl", impl,
+            sys.executable, "-m", "bench.distill", "_memory_child", "--impl", impl,
             "--rows", str(args.rows), "--hidden", str(args.hidden), "--vocab", str(args.vocab),
             "--chunk", str(chunk), "--threads", str(args.threads),
         ]  # fmt: skip
@@ -277,12 +276,11 @@ def _run_wall_s(run_dir: Path) -> float | None:
 
 
 def bench_compare(args: argparse.Namespace) -> dict:
-    sys.path.insert(0, str(REPO / "bench"))
-    import decode  # bench/decode.py
+    from bench import decode
 
     out: dict = {
         "machine": machine(args.threads),
-        "command": " ".join(["python", "bench/distill.py", *sys.argv[1:]]),
+        "command": " ".join(["python", "-m", "bench.distill", *sys.argv[1:]]),
         "what": "real speculative decoding (bench/decode.py, greedy, width "
         f"{args.width}) with each head on {args.n_prompts} held-out toy {args.domain} prompts, "
         f"{args.max_new_tokens} new tokens; tau = tokens committed per target verify forward",
@@ -647,7 +645,7 @@ def cached_child_dtypes(args: argparse.Namespace) -> dict:
 
 def _child(args: argparse.Namespace, kind: str, extra: list[str] = ()) -> dict:
     cmd = [
-        sys.executable, str(Path(__file__).resolve()), "_cached_child", kind,
+        sys.executable, "-m", "bench.distill", "_cached_child", kind,
         "--target", str(args.target), "--dataset", str(args.dataset), "--cache", str(args.cache),
         "--dtype", args.dtype, "--shard-mb", str(args.shard_mb), "--batch-size", str(args.batch_size),
         "--seq-len", str(args.seq_len), "--num-anchors", str(args.num_anchors),
@@ -906,7 +904,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     elif args.cmd == "vocab":
         result = {
             "command": " ".join(
-                ["python", "bench/distill.py", *(argv if argv is not None else sys.argv[1:])]
+                ["python", "-m", "bench.distill", *(argv if argv is not None else sys.argv[1:])]
             ),
             **bench_vocab(args),
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -925,7 +923,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         result.setdefault("targets", {})[args.name] = {
             "machine": at_start,
             "command": " ".join(
-                ["python", "bench/distill.py", *(argv if argv is not None else sys.argv[1:])]
+                ["python", "-m", "bench.distill", *(argv if argv is not None else sys.argv[1:])]
             ),
             **one,
             "load_average_at_end": list(os.getloadavg()),
@@ -939,7 +937,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         result = {
             "machine": machine(args.threads),
             "command": " ".join(
-                ["python", "bench/distill.py", *(argv if argv is not None else sys.argv[1:])]
+                ["python", "-m", "bench.distill", *(argv if argv is not None else sys.argv[1:])]
             ),
             "step_time": bench_step_time(args),
             "loss_memory": bench_memory(args),

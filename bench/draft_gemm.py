@@ -1,6 +1,6 @@
 """What the draft's lm_head costs as `h @ W^T` (the nn.Linear call) and as `W @ h^T` (`few_row_logits`).
 
-    python bench/draft_gemm.py --target models/SmolLM2-135M-Instruct --head heads/smollm2-135m-instruct \\
+    python -m bench.draft_gemm --target models/SmolLM2-135M-Instruct --head heads/smollm2-135m-instruct \\
         --threads 1 --out bench/results/draft_logits_gemm.json
 
 Two tables from one run: (1) the lm_head product alone for M = 1..17 and a few batched sizes, both
@@ -22,12 +22,10 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from jetflow_pl.runtime.loader import load_backend
+from jetflow_pl.tree import DraftTree
 
-from jetflow_pl.runtime.loader import load_backend  # noqa: E402
-from jetflow_pl.tree import DraftTree  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 ROWS = (*range(1, 18), 30, 60, 120, 240)
 
@@ -108,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     h = torch.randn(15, int(target.lm_head.weight.shape[1]), generator=torch.Generator().manual_seed(1))
     diff = float((target.lm_logits(h) - target.few_row_logits(h)).abs().max())
     result = {
-        "command": "python "
-        + shlex.join(["bench/draft_gemm.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": shlex.join(
+            ["python", "-m", "bench.draft_gemm", *(argv if argv is not None else sys.argv[1:])]
+        ),
         "threads": args.threads,
         "torch": torch.__version__,
         "blas": "mkl" if torch.backends.mkl.is_available() else "other",

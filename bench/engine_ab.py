@@ -2,7 +2,7 @@
 budgets, interleaved, so a change to the exported graphs (or to the runtime under them) is measured
 against what it replaces in one run rather than against a number from another day.
 
-    OMP_NUM_THREADS=1 python bench/engine_ab.py --engine-dirs /tmp/engines_before engines/smollm2_b16 \\
+    OMP_NUM_THREADS=1 python -m bench.engine_ab --engine-dirs /tmp/engines_before engines/smollm2_b16 \\
         --batch 1 8 16 --budgets 0 --repeats 3 --threads 1 --out bench/results/ort_graph_ab.json
 
 For each repeat, batch size B and budget, every engine decodes the same closed loop (`batching.closed_loop`:
@@ -26,17 +26,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from bench.batching import closed_loop, require_lossless, run_order
+from bench.budget_auto import read_prompts  # the shared prompt reader
+from jetflow_pl.decode_options import load_tokenizer
+from jetflow_pl.decoding import SpeculativeGenerator
+from jetflow_pl.runtime.ort_backend import OnnxRuntimeBackend
+
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `python bench/engine_ab.py` from anywhere
-    sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-
-from batching import closed_loop, require_lossless, run_order  # noqa: E402  (bench/batching.py)
-from budget_auto import read_prompts  # noqa: E402  (bench/budget_auto.py: the shared prompt reader)
-
-from jetflow_pl.decode_options import load_tokenizer  # noqa: E402
-from jetflow_pl.decoding import SpeculativeGenerator  # noqa: E402
-from jetflow_pl.runtime.ort_backend import OnnxRuntimeBackend  # noqa: E402
 
 DEFAULT_PROMPTS = REPO / "bench/prompts/heldout_eval_math.jsonl"
 
@@ -112,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in names
     }
     out = {
-        "command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]),
+        "command": shlex.join(["python", "-m", "bench.engine_ab", *(argv or sys.argv[1:])]),
         "machine": {"platform": platform.platform(), "threads": args.threads},
         "results": table,
         "requests_differing_from_first_engine_at_budget_0": differing,

@@ -1,6 +1,6 @@
 """Export parity on a real pair: every output's error against its tolerance, per variant, and greedy decodes.
 
-    python bench/export_parity.py --head HEAD --target models/SmolLM2-135M-Instruct \
+    python -m bench.export_parity --head HEAD --target models/SmolLM2-135M-Instruct \
         --out bench/results/export_parity_smollm2.json
 
 For each variant (portable, plugin, attention) it runs the exporter (`export/onnx_export.py`, which applies
@@ -22,8 +22,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 VARIANTS = ("portable", "plugin", "attention")
 
@@ -65,7 +63,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     results: dict = {
         "command": " ".join(
-            ["python", "bench/export_parity.py", *(argv if argv is not None else sys.argv[1:])]
+            ["python", "-m", "bench.export_parity", *(argv if argv is not None else sys.argv[1:])]
         ),
         "machine": {"platform": platform.platform(), "python": sys.version.split()[0]},
         "head": str(args.head),

@@ -1,6 +1,6 @@
 """Gemma 3 270M with its head: verify cost curve, tau, and speed against own AR and HF `generate()`.
 
-    python bench/gemma3.py --target models/gemma-3-270m --head heads/gemma-3-270m \
+    python -m bench.gemma3 --target models/gemma-3-270m --head heads/gemma-3-270m \
         [--engine-dir engines/gemma3-270m] --out bench/results/gemma3_270m.json
 
 1. **Verify cost curve** per backend: `t(N)` = one verify of a tree of `N` nodes after a 256-token prefix,
@@ -19,25 +19,22 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `python bench/gemma3.py` from anywhere
-    sys.path.insert(0, str(REPO))
+from bench.draft_gemm import median_ms
+from jetflow_pl.chat import encode_prompt
+from jetflow_pl.checkpoints import load_draft_head
+from jetflow_pl.decoding import ARGenerator, SpeculativeGenerator
+from jetflow_pl.generate_cli import hf_decode_tokens_per_s
+from jetflow_pl.prompt_files import load_local_rows
+from jetflow_pl.runtime.loader import load_backend
+from jetflow_pl.runtime.torch_backend import TorchBackend
+from jetflow_pl.target import TargetModel
+from jetflow_pl.tree import DraftTree
 
-from bench.draft_gemm import median_ms  # noqa: E402
-from jetflow_pl.chat import encode_prompt  # noqa: E402
-from jetflow_pl.checkpoints import load_draft_head  # noqa: E402
-from jetflow_pl.decoding import ARGenerator, SpeculativeGenerator  # noqa: E402
-from jetflow_pl.generate_cli import hf_decode_tokens_per_s  # noqa: E402
-from jetflow_pl.prompt_files import load_local_rows  # noqa: E402
-from jetflow_pl.runtime.loader import load_backend  # noqa: E402
-from jetflow_pl.runtime.torch_backend import TorchBackend  # noqa: E402
-from jetflow_pl.target import TargetModel  # noqa: E402
-from jetflow_pl.tree import DraftTree  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 HELDOUT = REPO / "data_gen" / "toy" / "assets" / "heldout_prompts"
 SIZES = (1, 2, 4, 8, 16, 32, 64)

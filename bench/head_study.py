@@ -1,6 +1,6 @@
 """The head-training study on the real target: which levers move tau (issue: a real LLM end to end).
 
-    python bench/head_study.py --base configs/distill/smollm2.yaml --steps 400 --out bench/results/head_study_smollm2.json
+    python -m bench.head_study --base configs/distill/smollm2.yaml --steps 400 --out bench/results/head_study_smollm2.json
 
 Every experiment is the committed base config with a few keys changed (`EXPERIMENTS`), trained for the
 same number of steps (so a loaded machine slows a run down but does not change its result), on the same
@@ -27,8 +27,6 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
 
 #: every layer the experiments tap (the shared teacher cache stores all of them)
 STUDY_TAPS = [1, 15, 27, 29]
@@ -194,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
     base = yaml.safe_load(args.base.read_text())
     results = json.loads(args.out.read_text()) if args.out.is_file() else {"experiments": {}}
     results["command"] = " ".join(
-        ["python", "bench/head_study.py", *(argv if argv is not None else sys.argv[1:])]
+        ["python", "-m", "bench.head_study", *(argv if argv is not None else sys.argv[1:])]
     )
     results["base_config"] = str(args.base)
     results["steps"] = args.steps

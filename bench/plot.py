@@ -1,6 +1,6 @@
 """Figures and markdown tables from a `bench/run_all.py` results JSON alone (no model is loaded).
 
-    python bench/plot.py bench/results/suite.json --out docs/figures [--tables]
+    python -m bench.plot bench/results/suite.json --out docs/figures [--tables]
 
 Figures (PNG, matplotlib Agg): tau vs budget per head type (toy math bold, code/prose thin; the
 out-of-corpus code set in a second panel), speedup vs budget per head type (vs the own AR loop and vs HF

@@ -1,6 +1,6 @@
 """Regeneration benchmark: generated tokens/s of batched greedy regeneration at batch 1, 4 and 16.
 
-    python bench/regenerate.py --target data_gen/toy/assets/small --out bench/results/regenerate.json
+    python -m bench.regenerate --target data_gen/toy/assets/small --out bench/results/regenerate.json
 
 The same held-out toy prompts (all domains, chat-formatted) are regenerated at every batch size with the
 stage's own code path (`PromptDataModule` length buckets + `batched_generate` with a KV cache, fp32). Greedy

@@ -1,6 +1,6 @@
 """What a round costs inside a batch that plays a fixed pattern of budgets (AR, budget 1, mixes of both).
 
-    OMP_NUM_THREADS=1 python bench/round_patterns.py --target models/SmolLM2-135M-Instruct \\
+    OMP_NUM_THREADS=1 python -m bench.round_patterns --target models/SmolLM2-135M-Instruct \\
         --head heads/smollm2-135m-instruct --prompts bench/prompts/heldout_eval_math.jsonl --batch 16 \\
         --out bench/results/round_patterns_smollm2_torch_b16.json
 
@@ -34,19 +34,16 @@ from pathlib import Path
 
 import torch
 
+from bench.batching import require_lossless, run_order
+from bench.budget_auto import read_prompts  # the shared prompt reader
+from jetflow_pl.checkpoints import load_draft_head
+from jetflow_pl.decode_options import load_tokenizer
+from jetflow_pl.decoding import SpeculativeGenerator
+from jetflow_pl.decoding.budget import RoundInfo, RoundResult
+from jetflow_pl.runtime.torch_backend import TorchBackend
+from jetflow_pl.target import TargetModel
+
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # `python bench/round_patterns.py` from anywhere
-    sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-
-from batching import require_lossless, run_order  # noqa: E402  (bench/batching.py)
-from budget_auto import read_prompts  # noqa: E402  (bench/budget_auto.py: the shared prompt reader)
-
-from jetflow_pl.checkpoints import load_draft_head  # noqa: E402
-from jetflow_pl.decode_options import load_tokenizer  # noqa: E402
-from jetflow_pl.decoding import SpeculativeGenerator  # noqa: E402
-from jetflow_pl.runtime.torch_backend import TorchBackend  # noqa: E402
-from jetflow_pl.target import TargetModel  # noqa: E402
 
 PATTERNS: dict[str, list[int]] = {
     "ar": [0],
@@ -58,8 +55,7 @@ PATTERNS: dict[str, list[int]] = {
 
 class PatternBudget:
     """A budget policy (`jetflow_pl.decoding.budget.BudgetPolicy`) that plays `pattern` round after round,
-    cycling, whatever the evidence says. It has no `choose_batch`, so the decode loop asks `choose()` once
-    per round for the whole batch."""
+    cycling, whatever the evidence says (one budget per round for the whole batch)."""
 
     def __init__(self, pattern: Sequence[int]) -> None:
         self.pattern = [int(k) for k in pattern]
@@ -69,44 +65,41 @@ class PatternBudget:
     def max_budget(self) -> int:
         return max(self.pattern)
 
-    def start(self, backend) -> None:
+    def start(self, backend, max_batch: int = 1) -> None:
         pass
 
     def next_budget(self) -> int:
         return self.pattern[self.played % len(self.pattern)]
 
-    def choose(self) -> int:
+    def choose(self, info: RoundInfo) -> int:
         k = self.next_budget()
         self.played += 1
         return k
 
-    def observe(self, tree, accepted) -> None:
+    def observe(self, result: RoundResult) -> None:
         pass
 
 
 def run_wave(
     gen: SpeculativeGenerator, policy: PatternBudget, prompts: list[list[int]], batch: int, max_new: int
 ) -> tuple[dict, dict[int, list[int]]]:
-    """One wave of `batch` requests submitted together; every round timed by the budget it played."""
+    """One wave of `batch` requests submitted together; every round timed by the budget it played (the
+    round's own clock: draft, build, verify, acceptance and commit)."""
     engine = gen.engine(max_batch=batch)
     engine.start()
     times: dict[int, list[float]] = defaultdict(list)
-    real_round = gen._round
 
-    def timed_round(backend, requests):  # the budget this round plays is the pattern's next entry
-        k = policy.next_budget()
-        t = time.perf_counter()
-        real_round(backend, requests)
-        times[k].append(time.perf_counter() - t)
+    def timed(result: RoundResult) -> None:
+        times[max(result.budgets)].append(result.seconds)
 
-    gen._round = timed_round
+    gen.observers.append(timed)
     try:
         handles = [engine.submit(prompts[i % len(prompts)], max_new) for i in range(batch)]
         t0 = time.perf_counter()
         engine.run()
         wall = time.perf_counter() - t0
     finally:
-        del gen._round  # back to the class's method
+        gen.observers.remove(timed)
     tokens = sum(len(h.tokens) for h in handles)
 
     def ms(xs: list[float], q: float) -> float:
@@ -170,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, waves in runs.items()
     }
     out = {
-        "command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]),
+        "command": shlex.join(["python", "-m", "bench.round_patterns", *(argv or sys.argv[1:])]),
         "machine": {"platform": platform.platform(), "torch_threads": torch.get_num_threads()},
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "out"},
         "patterns": {name: PATTERNS[name] for name in args.patterns},

@@ -1,6 +1,6 @@
 """The benchmark suite: every number of docs/BENCHMARKS.md from one command, into one JSON file.
 
-    python bench/run_all.py --out bench/results/suite.json --plots docs/figures
+    python -m bench.run_all --out bench/results/suite.json --plots docs/figures
 
 On the shipped toy target (`data_gen/toy/assets/small`) it measures, in one process on one machine:
 
@@ -42,20 +42,16 @@ from pathlib import Path
 
 import torch
 
+from bench import decode as dec  # the shared measuring functions
+from data_gen.toy import SMALL_HEAD_DIR, SMALL_TARGET_DIR, code_corpus
+from data_gen.toy.tokenizer import prompt_ids
+from jetflow_pl.checkpoints import load_draft_head
+from jetflow_pl.decoding import ARGenerator, SpeculativeGenerator
+from jetflow_pl.generate_cli import hf_decode_tokens_per_s
+from jetflow_pl.runtime.torch_backend import TorchBackend
+from jetflow_pl.tree import DraftTree, build_tree
+
 REPO = Path(__file__).resolve().parents[1]
-for _p in (REPO, REPO / "bench"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
-
-import decode as dec  # noqa: E402  (bench/decode.py: the shared measuring functions)
-
-from data_gen.toy import SMALL_HEAD_DIR, SMALL_TARGET_DIR, code_corpus  # noqa: E402
-from data_gen.toy.tokenizer import prompt_ids  # noqa: E402
-from jetflow_pl.checkpoints import load_draft_head  # noqa: E402
-from jetflow_pl.decoding import ARGenerator, SpeculativeGenerator  # noqa: E402
-from jetflow_pl.generate_cli import hf_decode_tokens_per_s  # noqa: E402
-from jetflow_pl.runtime.torch_backend import TorchBackend  # noqa: E402
-from jetflow_pl.tree import DraftTree, build_tree  # noqa: E402
 
 SCHEMA_VERSION = 1
 #: standard-library packages the toy code corpus skips entirely (never in any toy training set)
@@ -410,7 +406,7 @@ class Suite:
     # ------------------------------------------------------------------ training-side throughput
     def measure_regenerate(self) -> dict:
         """`bench/regenerate.py` (batched greedy regeneration), once per repeat, collected."""
-        import regenerate
+        from bench import regenerate
 
         a = self.args
         argv = ["--target", _rel(a.target), "--threads", str(a.threads)]
@@ -427,7 +423,7 @@ class Suite:
             for r in res["runs"]:
                 per_bs.setdefault(r["batch_size"], []).append(r["tokens_per_s"])
         return {
-            "command": "python bench/regenerate.py " + shlex.join(argv),
+            "command": shlex.join(["python", "-m", "bench.regenerate", *argv]),
             "prompts": res.get("prompts"),
             "max_new_tokens": res.get("max_new_tokens"),
             "outputs_identical_across_batch_sizes": identical,
@@ -447,8 +443,8 @@ class Suite:
             why = "--quick" if a.quick else "--skip-distill"
             return _read_json_or_skip(shipped, f"not run ({why})")
         out_file = a.cache_dir / "distill.json"
-        cmd = [sys.executable, str(script), "step", "--threads", str(a.threads), "--out", str(out_file)]
-        cmd += ["--reps", str(max(a.repeats, 3))]
+        cmd = [sys.executable, "-m", "bench.distill", "step", "--threads", str(a.threads)]
+        cmd += ["--out", str(out_file), "--reps", str(max(a.repeats, 3))]
         _log("distillation step benchmark: " + shlex.join(cmd))
         t0 = time.perf_counter()
         try:
@@ -462,7 +458,7 @@ class Suite:
 
         return {
             "source": "run in this suite",
-            "command": shlex.join(["python", "bench/distill.py", *cmd[2:]]),
+            "command": shlex.join(["python", "-m", "bench.distill", *cmd[3:]]),
             "seconds": round(time.perf_counter() - t0, 1),
             "result": json.loads(out_file.read_text()),
         }
@@ -560,7 +556,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
-    command = shlex.join(["python", "bench/run_all.py", *(sys.argv[1:] if argv is None else argv)])
+    command = shlex.join(["python", "-m", "bench.run_all", *(sys.argv[1:] if argv is None else argv)])
     if args.quick:
         args.n_math = args.n_code = args.n_prose = args.n_heldout = 2
         args.budgets, args.max_new_tokens, args.repeats = [4, 16], 16, 1
@@ -674,7 +670,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.with_suffix(".partial.json").unlink(missing_ok=True)
     _log(f"wrote {args.out} ({results['runtime_seconds']:.0f}s)")
     if args.plots is not None:
-        import plot
+        from bench import plot
 
         for f in plot.make_all(results, args.plots):
             _log(f"figure {f}")

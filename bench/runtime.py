@@ -1,6 +1,6 @@
 """Runtime benchmark: decode tokens/s of the ONNX Runtime backend vs the torch backend vs AR, same prompts.
 
-    python bench/runtime.py --out bench/results/runtime.json [--engine-dir DIR] [--variant portable]
+    python -m bench.runtime --out bench/results/runtime.json [--engine-dir DIR] [--variant portable]
                             [--backends torch onnxruntime tensorrt]
 
 Without `--engine-dir` the shipped toy head + target are exported once into `runs/engines/<variant>`
@@ -21,15 +21,13 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from bench.decode import domain_prompts, load_target, mean_tau, run_prompts, tokens_per_s
+from data_gen.toy import SMALL_HEAD_DIR, SMALL_TARGET_DIR
+from jetflow_pl.checkpoints import load_draft_head
+from jetflow_pl.decoding import ARGenerator, SpeculativeGenerator
+from jetflow_pl.runtime.loader import BACKEND_KINDS, ENGINE_KINDS, load_backend
 
-from bench.decode import domain_prompts, load_target, mean_tau, run_prompts, tokens_per_s  # noqa: E402
-from data_gen.toy import SMALL_HEAD_DIR, SMALL_TARGET_DIR  # noqa: E402
-from jetflow_pl.checkpoints import load_draft_head  # noqa: E402
-from jetflow_pl.decoding import ARGenerator, SpeculativeGenerator  # noqa: E402
-from jetflow_pl.runtime.loader import BACKEND_KINDS, ENGINE_KINDS, load_backend  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def ensure_engine(engine_dir: Path | None, variant: str) -> Path:
@@ -106,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
         measured[kind] = res
         reference = ar if reference is None else reference
     result = {
-        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["python", "-m", "bench.runtime", *(argv if argv is not None else sys.argv[1:])]),
         "machine": {
             "platform": platform.platform(),
             "processor": platform.processor(),

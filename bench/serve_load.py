@@ -1,6 +1,6 @@
 """Load test of `jetflow-serve`: throughput and latency for AR vs fixed budgets vs `auto`, same batching.
 
-    OMP_NUM_THREADS=1 python bench/serve_load.py --target data_gen/toy/assets/small \\
+    OMP_NUM_THREADS=1 python -m bench.serve_load --target data_gen/toy/assets/small \\
         --head data_gen/toy/assets/small_head --budgets 0 4 16 auto --concurrency 1 2 4 8 \\
         --requests 16 --max-tokens 48 --out bench/results/serve_load_toy.json
 
@@ -36,12 +36,9 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
+from bench.load_plot import budget_label, plot_load
 
-from load_plot import budget_label, plot_load  # noqa: E402  (bench/load_plot.py)
+REPO = Path(__file__).resolve().parents[1]
 
 DEFAULT_PROMPTS = REPO / "data_gen/toy/assets/heldout_prompts/math.jsonl"
 MODEL = "bench"
@@ -245,15 +242,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "0" not in args.budgets:
         args.budgets = ["0", *args.budgets]  # AR is the reference of speed and of the tokens
 
-    from budget_auto import read_prompts  # bench/budget_auto.py: the prompt files of the other benches
-
+    from bench.budget_auto import read_prompts  # the prompt files of the other benches
     from jetflow_pl.decode_options import load_tokenizer
 
     tok_dir = args.target if args.engine_dir is None else args.engine_dir / "tokenizer"
     prompts = read_prompts(args.prompts, load_tokenizer(tok_dir), args.n_prompts, not args.no_chat_template)
     results: dict = {
         "command": shlex.join(
-            ["python", "bench/serve_load.py", *(argv if argv is not None else sys.argv[1:])]
+            ["python", "-m", "bench.serve_load", *(argv if argv is not None else sys.argv[1:])]
         ),
         "machine": {
             "platform": platform.platform(),

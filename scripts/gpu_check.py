@@ -225,7 +225,7 @@ def _check_numerics(rec: Recorder, ctx: Context, impl: Callable[..., Any], key: 
 
 
 def _cuda_ext() -> tuple[Callable[..., Any], Callable[..., Any]]:
-    sys.path.insert(0, str(REPO))
+    # the repository root is on PYTHONPATH: `run_all` puts it there for every step process
     from trt_plugins.tree_attention.torch_ext import load_extension, tree_attention_cuda
 
     return load_extension, tree_attention_cuda

@@ -17,9 +17,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_bench_batching_smoke_without_warmup(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    import batching
+def test_bench_batching_smoke_without_warmup(tmp_path):
+    from bench import batching
 
     out = tmp_path / "b.json"
     argv = ["--target", str(SMALL), "--head", str(HEAD), "--batch", "1", "2", "--budgets", "4", "auto"]
@@ -49,11 +48,10 @@ def test_bench_batching_smoke_without_warmup(tmp_path, monkeypatch):
     assert res["order_per_repeat"] == [["0", "4", "auto"]]  # the first repeat starts at AR
 
 
-def test_run_order_puts_every_configuration_once_in_every_position(monkeypatch):
+def test_run_order_puts_every_configuration_once_in_every_position():
     """Over as many repeats as configurations, each one runs first once, last once, ...: a drift within a
     repeat (load building, a process warming up) cannot always favour the same configuration."""
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    from batching import run_order
+    from bench.batching import run_order
 
     configs = ["0", "4", "16", "auto"]
     orders = [run_order(configs, rep) for rep in range(8)]
@@ -63,11 +61,10 @@ def test_run_order_puts_every_configuration_once_in_every_position(monkeypatch):
     assert orders[4:] == orders[:4] and orders[1] == ["4", "16", "auto", "0"]
 
 
-def test_require_lossless_names_the_requests_that_differ_from_ar(monkeypatch):
+def test_require_lossless_names_the_requests_that_differ_from_ar():
     """The benches' one lossless check (batching, engine_ab, round_patterns): equal tokens pass, and a run
     whose request 1 differs stops the bench naming that request and the run."""
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    from batching import require_lossless
+    from bench.batching import require_lossless
 
     ar = {0: [5, 6], 1: [7, 8]}
     require_lossless({0: [5, 6], 1: [7, 8]}, ar, "budget 4, batch 2")
@@ -75,12 +72,10 @@ def test_require_lossless_names_the_requests_that_differ_from_ar(monkeypatch):
         require_lossless({0: [5, 6], 1: [7, 9]}, ar, "budget 4, batch 2")
 
 
-def test_closed_loop_has_no_steady_part_when_every_request_fits_the_first_batch(monkeypatch):
+def test_closed_loop_has_no_steady_part_when_every_request_fits_the_first_batch():
     """All requests in the first batch: the loop is ramp and drain only, so no steady throughput is
     claimed; AR keeps both requests in every round (equal lengths, no EOS this early: occupancy 2)."""
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    import batching
-
+    from bench import batching
     from jetflow_pl.decoding import SpeculativeGenerator
     from jetflow_pl.head import DraftHead
     from jetflow_pl.runtime.torch_backend import TorchBackend
@@ -94,24 +89,21 @@ def test_closed_loop_has_no_steady_part_when_every_request_fits_the_first_batch(
     assert level["tokens"] == 6 and level["occupancy"] == 2.0
 
 
-def test_bench_batching_refuses_a_run_with_no_timed_request(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    import batching
+def test_bench_batching_refuses_a_run_with_no_timed_request(tmp_path):
+    from bench import batching
 
     with pytest.raises(SystemExit) as refused:
         batching.main(["--requests", "0", "--out", str(tmp_path / "x.json")])
     assert refused.value.code == 2  # argparse's usage error, before any model is loaded
 
 
-def test_engine_ab_compares_engine_dirs_side_by_side(tmp_path, monkeypatch):
+def test_engine_ab_compares_engine_dirs_side_by_side(tmp_path):
     """bench/engine_ab.py on two copies of one batched toy engine: every cell is measured for both, the
     ratio is to the first, and identical graphs give identical tokens (0 requests differ)."""
     import shutil
 
+    from bench import engine_ab
     from export.onnx_export import ExportSettings, export_engine
-
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    import engine_ab
 
     first = export_engine(ExportSettings(head=HEAD, target=SMALL, out=tmp_path / "a", max_batch=2))
     second = Path(shutil.copytree(first, tmp_path / "b"))
@@ -135,12 +127,11 @@ def test_engine_ab_compares_engine_dirs_side_by_side(tmp_path, monkeypatch):
     assert refused.value.code == 2
 
 
-def test_round_patterns_times_each_budget_of_the_pattern_and_stays_lossless(tmp_path, monkeypatch):
+def test_round_patterns_times_each_budget_of_the_pattern_and_stays_lossless(tmp_path):
     """bench/round_patterns.py on the toy pair: each pattern plays exactly its budgets (alt: AR and 1 in
     turn, so their round counts differ by at most one), every request's tokens equal AR's (the bench would
     stop otherwise), and the summary holds a round median for every budget played."""
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    import round_patterns
+    from bench import round_patterns
 
     out = tmp_path / "r.json"
     argv = ["--target", str(SMALL), "--head", str(HEAD), "--batch", "2", "--max-tokens", "12"]
@@ -162,9 +153,9 @@ def test_round_patterns_times_each_budget_of_the_pattern_and_stays_lossless(tmp_
         assert set(res["summary"][name]["round_median_ms"]) == set(played[name])
 
 
-def test_pattern_budget_cycles_its_pattern(monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    from round_patterns import PatternBudget
+def test_pattern_budget_cycles_its_pattern():
+    from bench.round_patterns import PatternBudget
+    from jetflow_pl.decoding.budget import RoundInfo
 
     pol = PatternBudget([0, 0, 1])
-    assert pol.max_budget == 1 and [pol.choose() for _ in range(7)] == [0, 0, 1, 0, 0, 1, 0]
+    assert pol.max_budget == 1 and [pol.choose(RoundInfo()) for _ in range(7)] == [0, 0, 1, 0, 0, 1, 0]

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,18 +19,17 @@ pytestmark = pytest.mark.skipif(
 
 def test_bench_budget_auto_smoke(tmp_path, monkeypatch):
     from jetflow_pl.checkpoints import load_draft_head
-    from jetflow_pl.decoding.cost_profile import measure_cost_profile
+    from jetflow_pl.decoding.budget.cost_profile import measure_cost_profile
     from jetflow_pl.runtime.torch_backend import TorchBackend
     from jetflow_pl.target import TargetModel
 
     monkeypatch.setenv("JETFLOW_PL_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
     # a short-ladder profile of the bench's own backend: this test is about the bench, not the timings
     backend = TorchBackend(TargetModel.from_pretrained(SMALL), load_draft_head(HEAD))
     prof = measure_cost_profile(backend, kv_len=64, nodes=(1, 5, 9), repeats=1).save(tmp_path / "cost.json")
     prompts = REPO / "data_gen/toy/assets/heldout_prompts/math.jsonl"
     calib = REPO / "data_gen/toy/assets/heldout_prompts/prose.jsonl"
-    import budget_auto
+    from bench import budget_auto
 
     out = tmp_path / "r.json"
     argv = ["--target", str(SMALL), "--head", str(HEAD), "--prompts", str(prompts), "--n-prompts", "2"]
@@ -67,4 +65,4 @@ def test_bench_budget_auto_smoke(tmp_path, monkeypatch):
     )
     assert res["cost_profile"]["source"] == str(prof)
     assert set(res["acceptance_by_budget"]) == {"0", "1", "2", "4", "8"}
-    assert sys.modules["budget_auto"].DEFAULT_PROMPTS.is_file()
+    assert budget_auto.DEFAULT_PROMPTS.is_file()

@@ -1,4 +1,4 @@
-"""The benchmark suite end to end in smoke mode: `bench/run_all.py --quick` writes a complete results JSON
+"""The benchmark suite end to end in smoke mode: `python -m bench.run_all --quick` writes a complete results JSON
 and `bench/plot.py` redraws every figure from that JSON alone.
 
 Run as a subprocess (like a user would) so the suite's own argument parsing, thread settings and imports
@@ -49,7 +49,8 @@ def quick_suite(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     out, figs = tmp / "suite.json", tmp / "figures"
     cmd = [
         sys.executable,
-        "bench/run_all.py",
+        "-m",
+        "bench.run_all",
         "--quick",
         "--out",
         str(out),
@@ -66,7 +67,7 @@ def quick_suite(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
 
 def test_quick_suite_schema(quick_suite: tuple[dict, Path]) -> None:
     r, _ = quick_suite
-    assert r["command"].startswith("python bench/run_all.py --quick")
+    assert r["command"].startswith("python -m bench.run_all --quick")
     m = r["machine"]
     for key in ("cpu_model", "cpu_count", "torch", "onnxruntime", "threads", "load_average_at_start"):
         assert m.get(key) is not None, key
@@ -104,7 +105,7 @@ def test_plot_regenerates_pngs_from_json(quick_suite: tuple[dict, Path], tmp_pat
     src = tmp_path / "suite.json"
     src.write_text(json.dumps(r))
     proc = subprocess.run(
-        [sys.executable, "bench/plot.py", str(src), "--out", str(tmp_path / "again"), "--tables"],
+        [sys.executable, "-m", "bench.plot", str(src), "--out", str(tmp_path / "again"), "--tables"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -3,20 +3,14 @@ probe measures a much lower peak for the chunked one."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_distill", REPO / "bench/distill.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from bench import distill
+
+    return distill
 
 
 def test_memory_probe_chunked_equals_naive_and_needs_less_memory(bench) -> None:
