@@ -1,5 +1,6 @@
 """What the decoding commands (`generate`, `evaluate`, `serve`) set up from their flags, in one place: the
-flag types, the tokenizer, the head (or a seeded untrained one), the speculative and AR backends of
+flag types, the target and tokenizer (`--target`'s, or an engine directory's alone), the head (or a seeded
+untrained one; none on an engine backend, whose graphs hold it), the speculative and AR backends of
 `--backend`, and the `--budget` policy (a fixed budget, or `auto` with the head's acceptance prior).
 """
 
@@ -7,14 +8,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from jetflow_pl.checkpoints import load_draft_head
 from jetflow_pl.decoding.budget import ACCEPTANCE_PROFILE_FILE, AcceptanceProfile, AutoBudget
-from jetflow_pl.errors import UserInputError
+from jetflow_pl.errors import MissingPathError, UserInputError
 from jetflow_pl.head import DraftHead, DraftHeadConfig
+from jetflow_pl.runtime.contract import TOKENIZER_DIR
+from jetflow_pl.runtime.engine_config import load_engine_config
 from jetflow_pl.runtime.loader import ENGINE_KINDS, load_backend, resolve_kind
 from jetflow_pl.target import TargetModel
 
@@ -98,6 +102,90 @@ def load_tokenizer(path: Path):
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as err:
         raise UserInputError(f"cannot load a tokenizer from {path}: {type(err).__name__}: {err}") from err
+
+
+def engine_tokenizer(engine_dir: Path):
+    """The tokenizer an engine directory carries: `jetflow-export` copies the target's (its EOS ids and chat
+    template with it) into the folder `config.json` names. One error when the folder is no engine directory,
+    or when it has no tokenizer (an export from before the tokenizer was copied)."""
+    try:
+        config = load_engine_config(engine_dir)
+    except FileNotFoundError as err:
+        raise MissingPathError(str(err)) from err
+    except ValueError as err:
+        raise UserInputError(str(err)) from err
+    folder = Path(engine_dir) / str(config.get("tokenizer") or TOKENIZER_DIR)
+    if not (folder / "tokenizer.json").is_file():
+        raise UserInputError(
+            f"engine directory {engine_dir} carries no tokenizer ({folder}/tokenizer.json; an older export): "
+            "pass --target DIR (the target it was exported from) or re-export it with jetflow-export"
+        )
+    return load_tokenizer(folder)
+
+
+def decode_target(
+    target_dir: Path | None, engine_dir: Path | None, kind: str, *, device: str, need_target: bool
+) -> tuple[TargetModel | None, object]:
+    """(target, tokenizer) of a decode on backend `kind` (a `resolve_kind` name).
+
+    Engine kinds (onnxruntime, tensorrt): `engine_dir` holds the graphs (the head's among them), config and
+    tokenizer, so it is enough alone: the tokenizer is then the engine's and no target loads. With
+    `target_dir` too the tokenizer is the target's (as before), and the HF target loads only when
+    `need_target` (what runs the HF model itself: `generate --compare`'s HF generate(), checking a --head).
+    Torch kinds: the target and its tokenizer, checked against each other.
+    """
+    if kind in ENGINE_KINDS:
+        if engine_dir is None:
+            raise UserInputError(f"--backend {kind} needs --engine-dir DIR (written by jetflow-export)")
+        if target_dir is None:
+            return None, engine_tokenizer(engine_dir)
+        if not Path(engine_dir).is_dir():
+            raise MissingPathError(f"engine directory does not exist: {engine_dir}")
+        if not need_target:
+            if not Path(target_dir).is_dir():
+                raise MissingPathError(f"--target {target_dir} does not exist")
+            return None, load_tokenizer(target_dir)
+    elif target_dir is None:
+        raise UserInputError(
+            f"--backend {kind} needs --target DIR (or decode an --engine-dir on onnxruntime / tensorrt)"
+        )
+    target = TargetModel.from_pretrained(target_dir, device=device)
+    tokenizer = load_tokenizer(target_dir)
+    target.check_tokenizer(tokenizer)
+    return target, tokenizer
+
+
+def _stderr_note(text: str) -> None:
+    print(f"note: {text}", file=sys.stderr)
+
+
+def load_models(
+    args: argparse.Namespace,
+    kind: str,
+    *,
+    need_target: bool = False,
+    note: Callable[[str], None] = _stderr_note,
+) -> tuple[TargetModel | None, DraftHead | None, object]:
+    """(target, head, tokenizer) of `--target`, `--head` and `--engine-dir` for backend `kind` (generate,
+    serve). Engine kinds: `decode_target`, and no head (the graphs hold it: an untrained head would need
+    a mask token a chat tokenizer may not have); a `--head` is still checked against `--target` (its
+    folder's acceptance prior is `--budget auto`'s) and needs it. Torch kinds: the target, and `--head`
+    or a seeded untrained head (with a `note`)."""
+    engine = kind in ENGINE_KINDS
+    target, tokenizer = decode_target(
+        args.target,
+        args.engine_dir,
+        kind,
+        device=args.device,
+        need_target=need_target or args.head is not None,
+    )
+    if engine and args.head is None:
+        return target, None, tokenizer
+    if engine and target is None:
+        raise UserInputError("--head needs --target (an engine directory carries its own head graph)")
+    if args.head is None:
+        note("no --head given; drafting with an untrained (random) head")
+    return target, load_checked_head(args.head, target, tokenizer, args.device), tokenizer
 
 
 def check_device(name: str) -> None:

@@ -7,7 +7,8 @@ Prompt sources (`--prompts`, repeatable): the named sets `mtbench[:<categories>[
 `sharegpt:<split>[:<n>]` (`jetflow_pl/prompt_sets.py`), or a local JSONL/JSON/CSV/Parquet file or
 `datasets` folder with a `prompt`, `messages` or `turns` column. Every conversation is answered turn by turn
 (`--turns`, default 2: MT-Bench's second turn follows the target's own first answer). Several `--head`s
-(torch backends) or `--engine-dir`s (onnxruntime / tensorrt) are measured side by side against the same AR.
+(torch backends) or `--engine-dir`s (onnxruntime / tensorrt; enough alone: an engine directory holds the
+graphs, config and tokenizer, so `--target` may be left out) are measured side by side against the same AR.
 
 Prints the table and writes `<out>/evaluate.json` (settings, table, per-turn records; no prompt text),
 `<out>/evaluate.md` (the table in Markdown) and `<out>/evaluate.png`. Exits 1 when any output differs from AR (the lossless check), 2 on bad input.
@@ -28,10 +29,10 @@ from jetflow_pl.decode_options import (
     acceptance_prior,
     add_threads_argument,
     check_device,
+    decode_target,
     int_at_least,
     load_backends,
     load_checked_head,
-    load_tokenizer,
     parse_budget,
 )
 from jetflow_pl.decoding import ARGenerator, SpeculativeGenerator
@@ -55,7 +56,13 @@ from jetflow_pl.target import TargetModel
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m jetflow_pl evaluate", description=__doc__.splitlines()[0])
-    p.add_argument("--target", required=True, type=Path, help="target model directory (HF format; tokenizer)")
+    p.add_argument(
+        "--target",
+        type=Path,
+        default=None,
+        help="target model directory (HF format; tokenizer); optional with --engine-dir, which holds the "
+        "graphs, config and tokenizer",
+    )
     p.add_argument(
         "--head",
         action="append",
@@ -71,8 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--backend",
         choices=[*BACKEND_KINDS, "graph"],
-        default="torch",
-        help="torch (HF target + head), torch-graph, onnxruntime or tensorrt (these two need --engine-dir)",
+        default=None,
+        help="torch (default without --engine-dir: HF target + head), torch-graph, onnxruntime (default "
+        "with --engine-dir) or tensorrt (these two need --engine-dir)",
     )
     p.add_argument(
         "--prompts",
@@ -175,7 +183,7 @@ def _load_conversations(args: argparse.Namespace) -> tuple[list, list[dict]]:
 
 
 def _configs(
-    args: argparse.Namespace, target: TargetModel, tokenizer
+    args: argparse.Namespace, target: TargetModel | None, tokenizer
 ) -> tuple[DecodeConfig, list[DecodeConfig]]:
     """AR on the backend's own kind, and one speculative configuration per (head or engine, budget)."""
     kind = resolve_kind(args.backend)
@@ -229,12 +237,18 @@ def _configs(
 
 def run(args: argparse.Namespace) -> int:
     check_device(args.device)
+    if args.backend is None:
+        args.backend = "onnxruntime" if args.engine_dir else "torch"
     if args.no_chat_template:
         args.turns = 1
     conversations, reports = _load_conversations(args)
-    target = TargetModel.from_pretrained(args.target, device=args.device)
-    tokenizer = load_tokenizer(args.target)
-    target.check_tokenizer(tokenizer)
+    # an engine backend needs no target model (the graphs hold it); the tokenizer is then the first
+    # engine directory's unless --target is given
+    kind = resolve_kind(args.backend)
+    first_engine = labelled(args.engine_dir[0])[1] if args.engine_dir and kind in ENGINE_KINDS else None
+    target, tokenizer = decode_target(
+        args.target, first_engine, kind, device=args.device, need_target=kind not in ENGINE_KINDS
+    )
     ar, configs = _configs(args, target, tokenizer)
     labels = [c.label for c in configs]
     if len(set(labels)) != len(labels):
@@ -257,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
         stop_ids=sorted(ar_stop_ids(tokenizer)),
         max_new_tokens=args.max_new_tokens,
         repeats=args.repeats,
-        max_context=args.max_context or target.config.max_position_embeddings,
+        max_context=args.max_context or _context_window(target, configs),
         on_turn=lambda rec: bar.update(1),
         chat=not args.no_chat_template,
     )
@@ -279,7 +293,7 @@ def run(args: argparse.Namespace) -> int:
             "threads": torch.get_num_threads(),
         },
         "settings": {
-            "target": str(args.target),
+            "target": None if args.target is None else str(args.target),
             "backend": resolve_kind(args.backend),
             "configs": [{"label": c.label, "budget": c.budget, "head": c.head} for c in configs],
             "width": args.width,
@@ -308,6 +322,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {mismatches} outputs differ from AR (lossless check failed)", file=sys.stderr)
         return 1
     return 0
+
+
+def _context_window(target: TargetModel | None, configs: Sequence[DecodeConfig]) -> int:
+    """The target's context, or (an engine backend without a target) the smallest of the engines'."""
+    if target is not None:
+        return int(target.config.max_position_embeddings)
+    return min(int(c.generator.backend.max_positions) for c in configs)
 
 
 def save_prior(configs: Sequence[DecodeConfig], args: argparse.Namespace, turns: int) -> None:

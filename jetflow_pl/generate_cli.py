@@ -6,9 +6,12 @@ over HF `generate()`, measured in the same run on the same machine.
 
 `--budget auto` (the default) picks the draft budget per round from this machine's cost profile for
 this target and backend (measured once, cached; `--cost-profile FILE` to pin one) and the head's
-acceptance (prior: `--acceptance-profile FILE`, else `acceptance_profile.json` beside the head), and
-falls back to plain AR where drafting cannot pay. It prints the budgets played and the speedup the cost
-model predicts next to the measured one.
+acceptance (prior: `--acceptance-profile FILE`, else `acceptance_profile.json` beside the head or in the
+engine directory), and falls back to plain AR where drafting cannot pay. It prints the budgets played and
+the speedup the cost model predicts next to the measured one.
+
+An engine directory (`--engine-dir`, onnxruntime / tensorrt) is enough alone: it holds the graphs (the
+head's among them), config and tokenizer; `--target` is then needed only for HF generate() in `--compare`.
 """
 
 from __future__ import annotations
@@ -31,16 +34,13 @@ from jetflow_pl.decode_options import (
     float_in,
     int_at_least,
     load_backends,
-    load_checked_head,
-    load_tokenizer,
+    load_models,
     parse_budget,
 )
 from jetflow_pl.decoding import ARGenerator, SamplingConfig, SpeculativeGenerator
 from jetflow_pl.decoding.budget import ACCEPTANCE_PROFILE_FILE, AutoBudget
 from jetflow_pl.errors import MissingPathError, NumericalError, UserInputError
-from jetflow_pl.runtime.contract import TOKENIZER_DIR
-from jetflow_pl.runtime.loader import BACKEND_KINDS, ENGINE_KINDS, resolve_kind
-from jetflow_pl.target import TargetModel
+from jetflow_pl.runtime.loader import BACKEND_KINDS, resolve_kind
 from jetflow_pl.tree import Top2GapCap
 
 
@@ -53,7 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="target model directory (HF format); optional with --engine-dir, which holds the graphs, "
         "config and tokenizer (HF generate() in --compare needs it)",
     )
-    p.add_argument("--head", type=Path, default=None, help="draft head directory; omitted = untrained head")
+    p.add_argument(
+        "--head",
+        type=Path,
+        default=None,
+        help="draft head directory; omitted = untrained head (an --engine-dir's graphs hold their own head)",
+    )
     p.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     p.add_argument("--prompts-file", type=Path, default=None, help="a text file with one prompt per line")
     p.add_argument("--no-chat-template", action="store_true", help="feed prompts raw, without the template")
@@ -74,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--acceptance-profile",
         type=Path,
         default=None,
-        help=f"--budget auto: the head's acceptance prior (default: {ACCEPTANCE_PROFILE_FILE} beside the head)",
+        help=f"--budget auto: the head's acceptance prior (default: {ACCEPTANCE_PROFILE_FILE} beside the "
+        "head, else in the engine directory)",
     )
     p.add_argument(
         "--save-acceptance-profile",
@@ -146,28 +152,6 @@ def _budget_counts(budgets: Sequence[int]) -> str:
     return " ".join(f"{k}x{n}" for k, n in Counter(budgets).most_common())
 
 
-def _load_models(args: argparse.Namespace) -> tuple[TargetModel | None, object | None, object]:
-    """(target, head, tokenizer) of the flags. An engine directory alone is enough for an engine backend:
-    it holds the graphs, config and tokenizer, so nothing else loads (target and head are then None)."""
-    kind = resolve_kind(args.backend)
-    if args.target is None:
-        if kind not in ENGINE_KINDS or args.engine_dir is None:
-            raise UserInputError(
-                f"--backend {args.backend} needs --target DIR (or decode an --engine-dir on onnxruntime / tensorrt)"
-            )
-        if args.head is not None:
-            raise UserInputError("--head needs --target (an engine directory carries its own head graph)")
-        if not args.engine_dir.is_dir():
-            raise MissingPathError(f"engine directory does not exist: {args.engine_dir}")
-        return None, None, load_tokenizer(args.engine_dir / TOKENIZER_DIR)
-    target = TargetModel.from_pretrained(args.target, device=args.device)
-    tokenizer = load_tokenizer(args.target)
-    target.check_tokenizer(tokenizer)
-    if args.head is None:
-        print("note: no --head given; drafting with an untrained (random) head", file=sys.stderr)
-    return target, load_checked_head(args.head, target, tokenizer, args.device), tokenizer
-
-
 def _run(args: argparse.Namespace) -> int:
     check_device(args.device)
     prompts = list(args.prompt)
@@ -180,7 +164,13 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     if args.backend is None:
         args.backend = "onnxruntime" if args.engine_dir is not None else "torch"
-    target, head, tokenizer = _load_models(args)
+    target, head, tokenizer = load_models(args, resolve_kind(args.backend), need_target=args.compare)
+    if args.compare and target is None:
+        print(
+            "note: --compare without --target: timed against the engine's own AR only "
+            "(HF generate() needs --target DIR)",
+            file=sys.stderr,
+        )
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p, args.seed)
     eos = tokenizer.eos_token_id
     policy = Top2GapCap(args.gap_cap) if args.gap_cap is not None else None

@@ -105,6 +105,136 @@ def test_an_engine_directory_alone_is_enough_to_generate(engines, pair, capsys):
     assert "needs --target" in capsys.readouterr().err
 
 
+def _no_head_is_made(monkeypatch) -> None:
+    """An engine's graphs hold its head: building one (an untrained head needs a mask token, which e.g.
+    SmolLM2's tokenizer lacks: issue "--engine-dir alone") is a failure."""
+    from jetflow_pl import decode_options
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a head was loaded or made for an engine backend")
+
+    monkeypatch.setattr(decode_options, "load_head_or_untrained", refuse)
+
+
+def _without_timings(value):
+    """A JSON report with every timing (seconds, tokens/s, speedups) left out: what two runs share."""
+    if isinstance(value, dict):
+        return {
+            k: _without_timings(v)
+            for k, v in value.items()
+            if not any(w in k for w in ("seconds", "per_s", "speedup"))
+        }
+    if isinstance(value, list):
+        return [_without_timings(v) for v in value]
+    return value
+
+
+def test_an_engine_directory_alone_generates_what_it_does_with_its_target(
+    engines, tmp_path, monkeypatch, capsys
+):
+    """`generate --backend onnxruntime --engine-dir DIR` with neither --target nor --head gives the same
+    tokens as with `--target` (the target's tokenizer): the engine's copy tokenizes, applies the chat
+    template and stops at EOS alike. No head is made in either run (the issue's `--target` without `--head`
+    failed asking for one)."""
+    from jetflow_pl.generate_cli import main as generate_main
+
+    _no_head_is_made(monkeypatch)
+    max_new = 48
+    argv = ["--backend", "onnxruntime", "--engine-dir", str(engines["portable"]), "--budget", "16"]
+    argv += ["--max-new-tokens", str(max_new), "--threads", "1"]
+    argv += ["--prompt", "Ann has 4 bags with 6 apples each. How many apples?"]
+    argv += ["--prompt", heldout_prompts("math", 1)[0]["prompt"]]
+    rows = {}
+    for name, extra in (("engine", []), ("target", ["--target", str(SMALL_TARGET_DIR)])):
+        assert generate_main([*argv, *extra, "--json", str(tmp_path / f"{name}.json")]) == 0
+        assert "untrained" not in capsys.readouterr().err
+        rows[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert _without_timings(rows["engine"]) == _without_timings(rows["target"])
+    assert all(r["output"] for r in rows["engine"])
+    assert any(r["new_tokens"] < max_new for r in rows["engine"])  # a decode ended at EOS
+    # HF generate() is what --compare needs the target for: without it, AR only, said in one note
+    assert generate_main([*argv[:-2], "--max-new-tokens", "4", "--compare"]) == 0  # the first prompt
+    captured = capsys.readouterr()
+    assert "HF generate() needs --target" in captured.err and "HF generate" not in captured.out
+
+
+def test_evaluate_on_an_engine_directory_alone_records_what_it_does_with_its_target(
+    engines, tmp_path, monkeypatch
+):
+    """`evaluate --engine-dir DIR` (onnxruntime by default there) with no --target: every turn's prompt
+    length (tokenizer, chat template, the second turn built on the first answer), new tokens (EOS) and
+    accepted lengths equal those of the same run with `--target`."""
+    from jetflow_pl.evaluate_cli import main as evaluate_main
+
+    _no_head_is_made(monkeypatch)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(
+        "".join(
+            json.dumps({"id": f"m{i}", "domain": "math", "turns": [r["prompt"], "And twice that?"]}) + "\n"
+            for i, r in enumerate(heldout_prompts("math", 2))
+        )
+    )
+    argv = ["--engine-dir", f"ort={engines['portable']}", "--prompts", str(prompts), "--budget", "8"]
+    argv += ["--max-new-tokens", "16", "--threads", "1", "--no-plot"]
+    results = {}
+    for name, extra in (("engine", []), ("target", ["--target", str(SMALL_TARGET_DIR)])):
+        assert evaluate_main([*argv, *extra, "--out", str(tmp_path / name)]) == 0
+        results[name] = json.loads((tmp_path / name / "evaluate.json").read_text())
+    engine, target = results["engine"], results["target"]
+    assert engine["lossless"] and engine["settings"]["backend"] == "onnxruntime"
+    assert engine["settings"]["target"] is None and target["settings"]["target"] == str(SMALL_TARGET_DIR)
+    assert [r["turn"] for r in engine["records"]] == [1, 2, 1, 2]
+    assert _without_timings(engine["records"]) == _without_timings(target["records"])
+
+
+def test_serve_resolves_an_engine_directory_alone(engines, monkeypatch):
+    """`jetflow-serve --engine-dir DIR`: the tokenizer (EOS, chat template) is the engine's copy of the
+    target's and the served name the folder's; with `--target` too, the target's tokenizer as before."""
+    from jetflow_pl.chat import encode_prompt
+    from jetflow_pl.serve.cli import build_parser, load_server_parts
+
+    _no_head_is_made(monkeypatch)
+    ref = AutoTokenizer.from_pretrained(SMALL_TARGET_DIR)
+    prompt = heldout_prompts("math", 1)[0]["prompt"]
+    base = ["--engine-dir", str(engines["portable"]), "--budget", "16", "--threads", "1"]
+    for extra in ([], ["--target", str(SMALL_TARGET_DIR)]):
+        gen, tokenizer, name = load_server_parts(build_parser().parse_args([*base, *extra]))
+        assert name == "portable" and isinstance(gen.backend, OnnxRuntimeBackend)
+        assert encode_prompt(tokenizer, prompt, chat=True) == encode_prompt(ref, prompt, chat=True)
+        assert gen.eos_ids == {ref.eos_token_id}
+
+
+def test_an_engine_directory_without_a_tokenizer_asks_for_target_or_a_re_export(
+    engines, tmp_path, monkeypatch, capsys
+):
+    """An older export has no `tokenizer/`: generate, evaluate and serve say in one line to pass --target
+    or re-export; with --target it decodes."""
+    from jetflow_pl.errors import UserInputError
+    from jetflow_pl.evaluate_cli import main as evaluate_main
+    from jetflow_pl.generate_cli import main as generate_main
+    from jetflow_pl.serve.cli import build_parser, load_server_parts
+
+    old = tmp_path / "old_engine"
+    old.mkdir()
+    for f in engines["portable"].iterdir():
+        if f.name != "tokenizer":
+            (old / f.name).symlink_to(f.resolve())
+    words = ("carries no tokenizer", "pass --target DIR", "re-export")
+    argv = ["--engine-dir", str(old), "--prompt", "hi", "--max-new-tokens", "4", "--budget", "4"]
+    assert generate_main(argv) == 2
+    (line,) = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert all(w in line for w in words), line
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    assert evaluate_main(["--engine-dir", str(old), "--prompts", str(prompts), "--out", str(tmp_path)]) == 2
+    (line,) = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert all(w in line for w in words), line
+    with pytest.raises(UserInputError, match="carries no tokenizer"):
+        load_server_parts(build_parser().parse_args(["--engine-dir", str(old)]))
+    _no_head_is_made(monkeypatch)
+    assert generate_main([*argv, "--target", str(SMALL_TARGET_DIR), "--threads", "1"]) == 0
+
+
 @pytest.fixture(scope="module")
 def pair() -> tuple[DraftHead, TargetModel]:
     head = DraftHead.from_pretrained(str(SMALL_HEAD_DIR)).eval()
