@@ -71,11 +71,7 @@ with one measured row, so a batch draining from 16 to 9 requests is learned once
 AR rounds and tree rounds were timed in a bucket, a budget's cost is the profile's times its rounds' ratio
 over AR's (lower medians: robust to the slow first call of a new shape; a budget timed fewer times takes
 the ratio of every tree round in the bucket), where that ratio is above 1: times taken at different
-moments only raise costs (`round_cost` says why). A tree round timed right next to an AR round of its
-bucket forms a *pair*, and once a budget has `timing_samples` pairs its cost is the profile's times their
-ratio, lower or higher (lower only as far as the unpaired ratio agrees): neighbours share the machine's
-load, so a pair says what a round costs *in the decode loop*, which a profile measured apart from it can
-miss. AR times come from AR check rounds: while speculating in a bucket whose AR time is unknown or
+moments only raise costs (`round_cost` says why). AR times come from AR check rounds: while speculating in a bucket whose AR time is unknown or
 stale, one round in `check_every` (doubling while the checks change nothing, up to `max_check_every`) is
 played as AR. A wrong profile then costs a few rounds, not a session: the choice moves to a smaller
 budget or to AR as soon as the clock disagrees with it. Times expire after `max_check_every` session
@@ -88,7 +84,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from jetflow_pl.decoding.budget.acceptance import AcceptanceProfile, AcceptanceStats, accept_length_at
@@ -104,19 +100,14 @@ from jetflow_pl.tree import DraftTree
 VARIANCE_FLOOR = 0.25
 
 
-def _upper_median(xs: Iterable[float]) -> float:
-    """The upper of the two middle values (the middle one of an odd count): with two samples, the larger,
-    so a cost is lowered on paired evidence only when every pair, or a majority, says "cheaper"."""
-    ordered = sorted(xs)
-    return ordered[len(ordered) // 2]
-
-
 class AutoBudget:
     """Per round, the budget with the best expected tau(k) / cost(k); 0 when none beats AR (module doc).
 
     Args:
         cost: a measured `CostProfile`; None = `cost_profile_for(backend, cost_profile_path, cache_dir)`
-            at the first `start` (cached per machine and model; measured once when absent).
+            at the first `start` (cached per machine and model; measured once when absent: a quick,
+            one-pass profile, or the full one with `full_profile`, which also replaces a quick one on
+            disk); `progress`: a progress bar while it is measured.
         prior: the head's `AcceptanceProfile` (None: probe first, see `probe_rounds`).
         prior_weight: pseudo-rounds the prior counts for (at most the rounds it was measured on).
         probe_rounds, probe_cost: without a prior, the first rounds play the largest budget costing at
@@ -153,6 +144,8 @@ class AutoBudget:
         *,
         cost_profile_path: str | Path | None = None,
         cache_dir: str | Path | None = None,
+        full_profile: bool = False,
+        progress: bool = False,
         prior_weight: float = 2.0,
         probe_rounds: int = 2,
         probe_cost: float = 4.0,
@@ -193,13 +186,6 @@ class AutoBudget:
         self._next_check: dict[int, int] = {}
         self._check_interval: dict[int, int] = {}
         self._checking: int | None = None  # the budget an AR check round stands in for
-        # (batch bucket, tree budget) -> the last `timing_window` *paired* ratios: a tree round's
-        # observed/profiled seconds over those of an AR round played right before or after it in the same
-        # bucket (each round in at most one pair), and the session round of the last pair
-        self._pairs: dict[tuple[int, int], deque[float]] = {}
-        self._paired_at: dict[tuple[int, int], int] = {}
-        # the last timed round, while it is free to pair: (session round, bucket, budget, observed/profiled)
-        self._unpaired: tuple[int, int, int, float] | None = None
         if request_weight < 0:
             raise ValueError("request_weight must be >= 0")
         self.request_weight = float(request_weight)
@@ -217,6 +203,8 @@ class AutoBudget:
         self.prior = prior
         self.cost_profile_path = cost_profile_path
         self.cache_dir = cache_dir
+        self.full_profile = bool(full_profile)
+        self.progress = bool(progress)
         self.prior_weight = float(prior_weight)
         self.probe_rounds = int(probe_rounds)
         self.probe_cost = float(probe_cost)
@@ -264,7 +252,12 @@ class AutoBudget:
             or (resolved_here and self.cost.max_measured_batch < self._batch_limit(backend))
         ):
             self.cost = cost_profile_for(
-                backend, self.cost_profile_path, self.cache_dir, max_batch=self.max_batch
+                backend,
+                self.cost_profile_path,
+                self.cache_dir,
+                max_batch=self.max_batch,
+                full=self.full_profile,
+                progress=self.progress,
             )
             self._resolved_for = id(backend)
         limit = max_budget(backend)
@@ -330,19 +323,8 @@ class AutoBudget:
         divides tree times by AR times taken at other moments, and on a shared machine a burst of slow
         AR rounds makes it fall below 1 with nothing cheaper about the trees (measured: SmolLM2, torch,
         a burst of AR rounds at 1.3-1.5x their profile made budget 8 look 20% cheaper, and `auto` played
-        it for 50 rounds at 0.73x AR).
-
-        *Paired* evidence moves a cost both ways: once `timing_samples` rounds at this budget were each
-        timed next to an AR round of the same bucket (the round right before or after it, each round in
-        one pair: `observe_time`), the cost is the profile's times the upper median of those pairs'
-        ratios (never below 1 AR step), or the unpaired ratio where that is higher (the clock still
-        raises at once; it lowers only where both agree). Two rounds back to back share the load, as the
-        profile's own paired samples do, so a burst slows both halves of a pair; the upper median needs
-        a majority of pairs to say "cheaper". Pairs are for a profile too dear for the decode loop, which
-        runs other shapes and memory than the profile's measurement (seen on SmolLM2, torch, 16 requests:
-        budget 1 profiled at 1.74-1.81 AR steps, 1.64-1.69 in the loop, where it paid). Tested on a
-        scripted clock (`tests/test_budget_timing.py`); on SmolLM2 the next time, that gap did not recur
-        and the pairs changed no choice (docs/BENCHMARKS.md, "Paired clock evidence")."""
+        it for 50 rounds at 0.73x AR). (Paired tree/AR rounds that could also lower a cost were tried for 16
+        requests and changed no choice: docs/BENCHMARKS.md, "Paired clock evidence"; removed.)"""
         assert self.cost is not None, "call start(backend) first"
         profiled = self.cost.cost(budget, batch, self._kv_len)
         if budget == 0 or not self.check_costs:
@@ -352,14 +334,8 @@ class AutoBudget:
         tree = self._error(bucket, budget)
         if tree is None:
             tree = self._error(bucket, None)
-        unpaired = None if ar is None or tree is None else tree / ar
-        paired = self._paired_error(bucket, budget)
-        if paired is None:
-            return profiled * max(1.0, unpaired or 1.0)
-        # the unpaired ratio still raises at once: pairs form only where an AR round sits next to a tree
-        # round (AR check rounds, whose intervals double while the choice holds; explorations from AR),
-        # so a load that makes every tree round dear shows in the unpaired times first
-        return max(1.0, profiled * (paired if unpaired is None else max(paired, unpaired)))
+        ratio = 1.0 if ar is None or tree is None else tree / ar
+        return profiled * max(1.0, ratio)
 
     def _bucket(self, batch: int) -> int:
         """The batch sizes whose times are pooled: those the profile costs with the same measured row
@@ -408,30 +384,6 @@ class AutoBudget:
         window.setdefault(key, deque(maxlen=self.timing_window)).append(value)
         stamps[key] = self._session_round
 
-    def _paired_error(self, bucket: int, budget: int) -> float | None:
-        """Upper median of the unexpired paired ratios (tree over adjacent AR round, observed/profiled
-        seconds) at `budget` in `bucket`; None below `timing_samples` pairs."""
-        key = (bucket, budget)
-        xs = self._pairs.get(key)
-        if not xs or self._expired(self._paired_at, key) or len(xs) < self.timing_samples:
-            return None
-        return _upper_median(xs)
-
-    def _pair(self, bucket: int, budget: int, error: float) -> None:
-        """Pair this timed round with the one timed just before it when they are neighbours in one bucket,
-        one AR and one tree round, and neither is in a pair yet (`round_cost`: paired evidence)."""
-        last, self._unpaired = self._unpaired, (self._session_round, bucket, budget, error)
-        if (
-            last is None
-            or last[0] != self._session_round - 1
-            or last[1] != bucket
-            or (last[2] == 0) == (budget == 0)
-        ):
-            return
-        tree_budget, tree_err, ar_err = (budget, error, last[3]) if budget else (last[2], last[3], error)
-        self._record(self._pairs, self._paired_at, (bucket, tree_budget), tree_err / ar_err)
-        self._unpaired = None  # this round is in a pair now
-
     def observe_time(self, budget: int, batch: int, seconds: float) -> None:
         """Wall time of one round played at `budget` (every tree of that size) for `batch` requests.
 
@@ -446,7 +398,6 @@ class AutoBudget:
         profiled = self.cost.cost(budget, b, self._kv_len) * self.cost.ar_seconds(b, self._kv_len)
         key = (self._bucket(b), int(budget))
         self._record(self._times, self._timed_at, key, float(seconds) / profiled)
-        self._pair(key[0], key[1], float(seconds) / profiled)
         if budget == 0 and self._checking is not None:
             stood_in_for, self._checking = self._checking, None
             if self._error(key[0], 0) is None:
@@ -729,8 +680,7 @@ class AutoBudget:
 
     def timing_report(self) -> dict[str, dict[str, dict[str, float]]]:
         """What the clock check saw, for benchmarks and logs: per batch bucket and budget, the recent
-        rounds' count and lower-median observed/profiled seconds, the paired rounds' count and upper-median
-        ratio (tree over its neighbouring AR round, `round_cost`), and the cost in use vs the profile's."""
+        rounds' count and lower-median observed/profiled seconds, and the cost in use vs the profile's."""
         assert self.cost is not None, "call start(backend) first"
         out: dict[str, dict[str, dict[str, float]]] = {}
         for (bucket, k), xs in sorted(self._times.items()):
@@ -738,10 +688,6 @@ class AutoBudget:
                 continue
             ordered = sorted(xs)
             row = {"rounds": float(len(xs)), "observed_over_profiled": ordered[(len(xs) - 1) // 2]}
-            pairs = self._pairs.get((bucket, k))
-            if k and pairs:
-                row["paired_rounds"] = float(len(pairs))
-                row["paired_tree_over_ar"] = _upper_median(pairs)
             if k:
                 row["cost_profiled"] = self.cost.cost(k, bucket)
                 row["cost_used"] = self.round_cost(k, bucket)
