@@ -200,7 +200,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             outputs_of: dict[str, dict[int, list[int]]] = {}
             for budget in order:
                 backend = make_backend(B)
-                policy = AutoBudget(prior=prior, cache_dir=cache_dir) if budget == "auto" else int(budget)
+                policy = (
+                    AutoBudget(prior=prior, cache_dir=cache_dir, full_profile=True)
+                    if budget == "auto"
+                    else int(budget)
+                )
                 gen = SpeculativeGenerator(backend, policy, args.width, eos_token_id=eos)
                 if args.warmup > 0:
                     closed_loop(gen, B, prompts[::-1], args.warmup, args.max_tokens)  # untimed

@@ -252,7 +252,31 @@ def acceptance_prior(args: argparse.Namespace) -> AcceptanceProfile | None:
     return prior
 
 
+def add_cost_profile_arguments(p: argparse.ArgumentParser) -> None:
+    """`--cost-profile FILE` and `--measure-costs`, the cost half of `--budget auto` (every command)."""
+    p.add_argument(
+        "--cost-profile",
+        type=Path,
+        default=None,
+        help="--budget auto: use (or measure into) this cost profile JSON instead of the per-machine cache",
+    )
+    p.add_argument(
+        "--measure-costs",
+        action="store_true",
+        help="--budget auto: measure this machine's cost profile in full now (minutes), replacing the quick "
+        "one-pass profile a first run measures (the decode loop's clock corrects a quick one as it decodes)",
+    )
+
+
+def auto_budget(args: argparse.Namespace, prior: AcceptanceProfile | None) -> AutoBudget:
+    """`--budget auto` as the flags of `add_cost_profile_arguments` describe it, with `prior`; a progress
+    bar on stderr while a profile is measured."""
+    return AutoBudget(
+        prior=prior, cost_profile_path=args.cost_profile, full_profile=args.measure_costs, progress=True
+    )
+
+
 def budget_policy(args: argparse.Namespace) -> int | AutoBudget:
     if args.budget != "auto":
         return args.budget
-    return AutoBudget(prior=acceptance_prior(args), cost_profile_path=args.cost_profile)
+    return auto_budget(args, acceptance_prior(args))

@@ -27,7 +27,9 @@ import torch
 
 from jetflow_pl.decode_options import (
     acceptance_prior,
+    add_cost_profile_arguments,
     add_threads_argument,
+    auto_budget,
     check_device,
     decode_target,
     int_at_least,
@@ -36,7 +38,7 @@ from jetflow_pl.decode_options import (
     parse_budget,
 )
 from jetflow_pl.decoding import ARGenerator, SpeculativeGenerator
-from jetflow_pl.decoding.budget import AcceptanceStats, AutoBudget
+from jetflow_pl.decoding.budget import AcceptanceStats
 from jetflow_pl.errors import NumericalError, UserInputError
 from jetflow_pl.evaluation import (
     AR_LABEL,
@@ -122,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip turns whose prompt + max-new-tokens exceed this (default: the target's context)",
     )
     p.add_argument("--repeats", type=int_at_least(1), default=1, help="timed passes over every turn")
-    p.add_argument("--cost-profile", type=Path, default=None, help="--budget auto: cost profile JSON to use")
+    add_cost_profile_arguments(p)
     p.add_argument("--device", default="cpu")
     add_threads_argument(p)
     p.add_argument("--out", type=Path, default=Path("runs/evaluate"), help="folder for evaluate.json/.png")
@@ -222,7 +224,7 @@ def _configs(
                         acceptance_profile=None, head=head_dir, engine_dir=engine_dir, width=args.width
                     )
                 )
-                policy = AutoBudget(prior=prior, cost_profile_path=args.cost_profile)
+                policy = auto_budget(args, prior)
             gen = SpeculativeGenerator(backend, policy, args.width, None, eos)
             vocab = getattr(head, "draft_vocab", None) if head is not None else None
             vocab = frozenset(int(i) for i in vocab.tolist()) if vocab is not None else None

@@ -28,6 +28,7 @@ import torch
 
 from jetflow_pl.chat import encode_prompt
 from jetflow_pl.decode_options import (
+    add_cost_profile_arguments,
     add_threads_argument,
     budget_policy,
     check_device,
@@ -69,12 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="draft tokens per tree (root excluded); 0 = AR; auto (default) = per round, from this "
         "machine's cost profile and the head's acceptance, AR where drafting cannot pay",
     )
-    p.add_argument(
-        "--cost-profile",
-        type=Path,
-        default=None,
-        help="--budget auto: use (or measure into) this cost profile JSON instead of the per-machine cache",
-    )
+    add_cost_profile_arguments(p)
     p.add_argument(
         "--acceptance-profile",
         type=Path,

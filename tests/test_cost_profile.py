@@ -11,6 +11,8 @@ import torch
 from conftest import TINY_VOCAB
 
 from jetflow_pl.decoding.budget.cost_profile import (
+    DEFAULT_REPEATS,
+    QUICK_REPEATS,
     CostProfile,
     CostProfileMismatch,
     cache_file,
@@ -128,6 +130,60 @@ def test_cache_measures_once_then_reuses(backend, tmp_path, monkeypatch):
     monkeypatch.setattr("jetflow_pl.decoding.budget.cost_profile.measure_cost_profile", no_measuring)
     again = cost_profile_for(backend, cache_dir=tmp_path)
     assert again.source == str(path) and again.verify_s == first.verify_s
+
+
+def test_a_first_measurement_is_quick_and_measure_costs_replaces_it_in_full(backend, tmp_path, monkeypatch):
+    """Nothing cached: one timed pass per KV length (`QUICK_REPEATS`), so a first `auto` answers after a
+    bounded wait; `full=True` (`--measure-costs`) replaces that quick profile on disk by the full one, and
+    a full profile is then reused, never re-measured."""
+    first = cost_profile_for(backend, cache_dir=tmp_path, kv_len=32, nodes=SMALL_LADDER)
+    path = cache_file(fingerprint(backend), tmp_path)
+    assert first.repeats == QUICK_REPEATS and first.quick and "quick, one pass" in first.source
+    assert CostProfile.load(path).quick
+    assert cost_profile_for(backend, cache_dir=tmp_path).source == str(path)  # used as it is by default
+    full = cost_profile_for(backend, cache_dir=tmp_path, full=True, kv_len=32, nodes=SMALL_LADDER)
+    assert full.repeats == DEFAULT_REPEATS and not full.quick and "re-measured in full" in full.source
+    assert not CostProfile.load(path).quick
+
+    def no_measuring(*a, **k):
+        raise AssertionError("a full profile must not be re-measured")
+
+    monkeypatch.setattr("jetflow_pl.decoding.budget.cost_profile.measure_cost_profile", no_measuring)
+    assert cost_profile_for(backend, cache_dir=tmp_path, full=True).source == str(path)
+
+
+def test_the_progress_bar_counts_every_pass_of_the_measurement(target, monkeypatch):
+    """The bar's total is the passes the measurement really runs (warm-up and timed, batch 1 and every
+    batch size, both KV lengths), so it ends at 100%, not short of it or past it."""
+    import tqdm.auto
+
+    bars = []
+
+    class Recorder:
+        def __init__(self, total, disable, **kw):
+            self.total, self.disable, self.n = total, disable, 0
+            bars.append(self)
+
+        def update(self, k: int = 1) -> None:
+            self.n += k
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Recorder)
+    batched = TorchBackend(target, head_for(target), max_batch=4)
+    measure_cost_profile(
+        batched, kv_len=32, nodes=SMALL_LADDER, repeats=2, batch_repeats=1, max_batch=4, progress=True
+    )
+    measure_cost_profile(batched, kv_len=32, nodes=SMALL_LADDER, repeats=1, short_kv_len=0, max_batch=1)
+    (full, single) = bars
+    assert (
+        not full.disable and full.total == (1 + 2 + 2 * (1 + 1)) * 2 == full.n
+    )  # sizes 2, 4; two KV lengths
+    assert single.disable and single.total == 2 == single.n  # no bar unless asked; one KV length, batch 1
 
 
 def test_stale_or_corrupt_cache_is_remeasured(backend, tmp_path):

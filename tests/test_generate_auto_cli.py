@@ -9,7 +9,7 @@ import pytest
 
 import data_gen.toy
 from jetflow_pl.decoding.budget import AcceptanceProfile
-from jetflow_pl.decoding.budget.cost_profile import CostProfile
+from jetflow_pl.decoding.budget.cost_profile import QUICK_MAX_NODES, CostProfile
 from jetflow_pl.generate_cli import main as generate_main
 
 SMALL = data_gen.toy.SMALL_TARGET_DIR
@@ -37,7 +37,7 @@ def test_auto_is_the_default_and_reports_budgets_and_predicted_speedup(tmp_path,
     assert generate_main([*argv, "--compare", "--json", str(report)]) == 0
     out = capsys.readouterr()
     assert "budget auto:" in out.out and "predicted x" in out.out and "vs AR" in out.out
-    assert "cost profile" in out.err and "measured now" in out.err
+    assert "cost profile" in out.err and "measured now, quick, one pass" in out.err
     (row,) = json.loads(report.read_text())
     assert row["budget"] == "auto" and row["matches_hf_greedy"] is True
     assert sum(row["budgets_played"].values()) >= 1 and row["predicted_speedup_vs_ar"] > 0
@@ -47,6 +47,12 @@ def test_auto_is_the_default_and_reports_budgets_and_predicted_speedup(tmp_path,
     assert generate_main([*argv, "--json", str(report)]) == 0
     err = capsys.readouterr().err
     assert f"cost profile {cached[0]}" in err and "measured now" not in err
+    assert json.loads(report.read_text())[0]["output"] == row["output"]
+    # the first run measured a quick one-pass profile; --measure-costs replaces it by the full one
+    quick = CostProfile.load(cached[0])
+    assert quick.quick and max(quick.nodes) <= QUICK_MAX_NODES
+    assert generate_main([*argv, "--measure-costs", "--json", str(report)]) == 0
+    assert "re-measured in full" in capsys.readouterr().err and not CostProfile.load(cached[0]).quick
     assert json.loads(report.read_text())[0]["output"] == row["output"]
 
 

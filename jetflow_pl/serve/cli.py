@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from jetflow_pl.decode_options import (
+    add_cost_profile_arguments,
     add_threads_argument,
     budget_policy,
     check_device,
@@ -81,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
         "at the batch size being served",
     )
     p.add_argument("--width", type=int_at_least(1), default=4, help="children per expanded node")
-    p.add_argument("--cost-profile", type=Path, default=None, help="--budget auto: cost profile JSON")
+    add_cost_profile_arguments(p)
     p.add_argument("--acceptance-profile", type=Path, default=None, help="--budget auto: acceptance prior")
     p.add_argument(
         "--max-tokens-limit", type=int_at_least(1), default=None, help="largest max_tokens allowed"

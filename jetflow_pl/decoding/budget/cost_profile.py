@@ -52,7 +52,7 @@ import platform
 import statistics
 import time
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -77,6 +77,13 @@ DEFAULT_KV_LEN = 256
 SHORT_KV_DIVISOR = 4
 MIN_SHORT_KV = 8
 DEFAULT_REPEATS = 5
+#: the first measurement on a machine (`cost_profile_for` with no profile yet, `full=False`): one timed
+#: pass per KV length and batch size instead of `DEFAULT_REPEATS` / `BATCH_REPEATS`, and trees of at most
+#: `QUICK_MAX_NODES` nodes (the largest ones cost the most to time and pay least on the machines where
+#: measuring is slow), so a first `--budget auto` answers after a bounded wait; the decode loop's clock
+#: check corrects what one pass gets wrong, and `full=True` (`--measure-costs`) measures the full profile
+QUICK_REPEATS = 1
+QUICK_MAX_NODES = 65
 #: a pass times up to this many back-to-back rounds of one size, enough to fill MIN_SAMPLE_SECONDS
 MAX_INNER_ROUNDS = 8
 MIN_SAMPLE_SECONDS = 0.03
@@ -432,6 +439,12 @@ class CostProfile:
             raise ValueError(f"tree size {n} was not measured (measured: {self.nodes})") from None
 
     @property
+    def quick(self) -> bool:
+        """True for a first, one-pass measurement (`QUICK_REPEATS`): `cost_profile_for(full=True)` replaces
+        it with the full one."""
+        return self.repeats < DEFAULT_REPEATS
+
+    @property
     def noisy(self) -> bool:
         """True when the samples scattered too much for the ratios to describe the model."""
         return self.spread > NOISY_SPREAD
@@ -552,6 +565,7 @@ def measure_cost_profile(
     max_batch: int | None = None,
     batch_repeats: int = BATCH_REPEATS,
     short_kv_len: int | None = None,
+    progress: bool = False,
 ) -> CostProfile:
     """Time the backend's own round steps for every tree size of the ladder (see the module docstring),
     and, where the backend batches, the batch dimension for `batch_sizes_for(backend, max_batch)`
@@ -571,24 +585,33 @@ def measure_cost_profile(
     and t(1) itself (for display) is the fastest AR round seen. Trees are built from the head's real
     draft log-probs (best-first, `width` children), so their depths and positions are the ones
     decoding verifies. Every round commits only the root, so the KV length stays within a pass's
-    rounds of `kv_len`. Leaves the backend needing a fresh `prefill`.
+    rounds of `kv_len`. Leaves the backend needing a fresh `prefill`. `progress`: a progress bar on
+    stderr (one step per pass), shown once the measurement has taken more than two seconds.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    from tqdm.auto import tqdm
+
     t_start = time.perf_counter()
     ladder, kv_len, device, prompt, anchor = _measurement_setup(backend, kv_len, nodes, seed)
-    single = _measure_single(backend, ladder, prompt, anchor, device, repeats, width)
     sizes = batch_sizes_for(backend, max_batch)
-    batched = measure_batch_costs(backend, sizes, kv_len, nodes, batch_repeats, width, seed)
     short = short_kv_for(kv_len, short_kv_len)
-    short_kv = None
-    if short:
-        _, _, _, short_prompt, short_anchor = _measurement_setup(backend, short, nodes, seed)
-        low = _measure_single(backend, ladder, short_prompt, short_anchor, device, repeats, width)
-        low_batched = measure_batch_costs(
-            backend, sizes, short, nodes, batch_repeats, width, seed, ladders=batched["nodes"]
-        )
-        short_kv = _short_kv(short, low, low_batched)
+    # a pass: the warm-up or a timed one, per KV length and batch size (the batch-1 one included)
+    passes = (1 + repeats + len(sizes) * (1 + batch_repeats)) * (2 if short else 1)
+    with tqdm(
+        total=passes, desc="measuring this machine's cost profile", unit="pass", delay=2, disable=not progress
+    ) as bar:
+        tick = bar.update
+        single = _measure_single(backend, ladder, prompt, anchor, device, repeats, width, tick)
+        batched = measure_batch_costs(backend, sizes, kv_len, nodes, batch_repeats, width, seed, tick=tick)
+        short_kv = None
+        if short:
+            _, _, _, short_prompt, short_anchor = _measurement_setup(backend, short, nodes, seed)
+            low = _measure_single(backend, ladder, short_prompt, short_anchor, device, repeats, width, tick)
+            low_batched = measure_batch_costs(
+                backend, sizes, short, nodes, batch_repeats, width, seed, ladders=batched["nodes"], tick=tick
+            )
+            short_kv = _short_kv(short, low, low_batched)
     return CostProfile(
         fingerprint=fingerprint(backend),
         nodes=ladder,
@@ -636,9 +659,10 @@ def _measure_single(
     device: torch.device,
     repeats: int,
     width: int,
+    tick: Callable[[], Any] = lambda: None,
 ) -> dict[str, Any]:
     """The single-request half of `measure_cost_profile` on one prompt: `{"verify_s", "build_s",
-    "draft_s"}` per tree size of `ladder` and the samples' `spread`."""
+    "draft_s"}` per tree size of `ladder` and the samples' `spread`; `tick()` after every pass."""
 
     def one_round(n: int) -> tuple[float, float, float]:
         """(draft, build, verify + accept + commit) seconds of one round with a tree of `n` nodes."""
@@ -671,6 +695,7 @@ def _measure_single(
     for n in ladder:
         t = sum(one_round(n)) + t_ar
         inner[n] = max(1, min(MAX_INNER_ROUNDS, math.ceil(MIN_SAMPLE_SECONDS / max(t, 1e-9))))
+    tick()
     # every sample of size n is a pair: one AR round, then one round of n nodes, back to back. Other
     # processes slow both alike when they are that close in time, so the per-pair ratio is stable
     # where the raw times are not (bursts of load on a shared machine come and go over seconds)
@@ -692,6 +717,7 @@ def _measure_single(
                 ratio[n].append(v_s / a)
                 build[n].append(b_s / a)
                 draft[n].append(d_s / a)
+        tick()
     base = min(t1)
     # a verify of more nodes is never cheaper: fit the medians non-decreasing in N and >= t(1), so noise
     # cannot make a large tree look cheaper than a small one (the first value stays exactly 1)
@@ -736,6 +762,7 @@ def measure_batch_costs(
     width: int = 4,
     seed: int = 0,
     ladders: Sequence[Sequence[int]] | None = None,
+    tick: Callable[[], Any] = lambda: None,
 ) -> dict[str, list]:
     """The batch dimension of a cost profile (the `batch_*` fields of `CostProfile`), measured through the
     backend's batch protocol (`prefill(prompt, slot)`, `draft_batch` / `verify_batch` / `commit_batch`,
@@ -746,7 +773,8 @@ def measure_batch_costs(
     whose round already costs more than `block_size` batched AR steps (no round can commit more tokens per
     request, so no larger N can pay) and at `MAX_BATCH_TOKENS` rows; `ladders` (one per batch size, in
     increasing order of B) fixes the tree sizes instead, so a second KV length is measured at exactly the
-    sizes of the first (`CostProfile.short_kv`). Leaves every slot it used released.
+    sizes of the first (`CostProfile.short_kv`). Leaves every slot it used released. `tick()` after every
+    pass (the warm-up included).
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -778,6 +806,7 @@ def measure_batch_costs(
             # 1.5: one slow warm-up round must not cut the ladder short
             if ladders is None and t / t_ar > 1.5 * most_tokens:
                 break
+        tick()
         base: list[float] = []
         ratio: dict[int, list[float]] = {n: [] for n in sizes[1:]}
         build: dict[int, list[float]] = {n: [] for n in sizes[1:]}
@@ -796,6 +825,7 @@ def measure_batch_costs(
                     draft[n].append(d_s / a)
             if len(sizes) == 1:
                 base.append(one_round(1)[2])
+            tick()
         for s in slots:
             backend.release(s)
         t_b1 = min(base)
@@ -985,6 +1015,8 @@ def cost_profile_for(
     path: str | Path | None = None,
     cache_dir: str | Path | None = None,
     max_batch: int | None = None,
+    full: bool = False,
+    progress: bool = False,
     **measure_kw: Any,
 ) -> CostProfile:
     """The cost profile of `backend` on this machine: from `path`, else from the cache, else measured.
@@ -995,9 +1027,34 @@ def cost_profile_for(
     `max_batch`: the most requests that will decode together (`batch_sizes_for`); batch sizes a matching
     profile lacks (a version-1 file has none) are measured and written back. `profile.source` says where
     the returned profile came from.
+
+    A profile measured here is a quick one (`QUICK_REPEATS` passes, trees up to `QUICK_MAX_NODES`: the
+    first `auto` answers after a bounded wait, the decode loop's clock check corrects it) unless `full`, which also replaces a quick
+    profile found on disk by the full measurement (`DEFAULT_REPEATS` / `BATCH_REPEATS` passes).
+    `measure_kw` (`measure_cost_profile`'s) override both; `progress` shows a progress bar on stderr.
     """
     fp = fingerprint(backend)
-    measure_kw["max_batch"] = max_batch
+    quick = {
+        "repeats": QUICK_REPEATS,
+        "batch_repeats": QUICK_REPEATS,
+        "nodes": [n for n in LADDER_NODES if n <= QUICK_MAX_NODES],
+    }
+    passes = {} if full else quick
+    measure_kw = {**passes, **measure_kw, "max_batch": max_batch, "progress": progress}
+
+    def measured(file: Path, where: str) -> CostProfile:
+        prof = measure_cost_profile(backend, **measure_kw)
+        kind = "quick, one pass" if prof.quick else "full"
+        try:
+            prof.save(file)
+            prof.source = f"{file} ({where} now, {kind})"
+        except OSError as err:  # a read-only home must not stop decoding: the profile is still used
+            if path is not None:
+                raise
+            log.warning("could not cache the cost profile in %s: %s", file, err)
+            prof.source = f"measured now, {kind} (not cached)"
+        return prof
+
     if path is not None:
         path = Path(path)
         if path.exists():
@@ -1009,25 +1066,19 @@ def cost_profile_for(
                     f"cost profile {path} was measured for another model or machine ({details}); "
                     "delete it to re-measure, or leave out --cost-profile to use this machine's cache"
                 )
+            if full and prof.quick:
+                return measured(path, "re-measured in full")
             return _complete(backend, prof, max_batch, path)
-        prof = measure_cost_profile(backend, **measure_kw)
-        prof.save(path)
-        prof.source = f"{path} (measured now)"
-        return prof
+        return measured(path, "measured")
     file = cache_file(fp, cache_dir)
     if file.exists():
         try:
             prof = CostProfile.load(file)
             if not prof.mismatch(fp):
+                if full and prof.quick:
+                    return measured(file, "re-measured in full")
                 return _complete(backend, prof, max_batch, file)
             log.info("cached cost profile %s does not match this machine/model: re-measuring", file)
         except UserInputError as err:
             log.info("unreadable cached cost profile (%s): re-measuring", err)
-    prof = measure_cost_profile(backend, **measure_kw)
-    try:
-        prof.save(file)
-        prof.source = f"{file} (measured now)"
-    except OSError as err:  # a read-only home must not stop decoding: the profile is still used
-        log.warning("could not cache the cost profile in %s: %s", file, err)
-        prof.source = "measured now (not cached)"
-    return prof
+    return measured(file, "measured")
