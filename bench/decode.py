@@ -31,6 +31,7 @@ from data_gen.toy.tokenizer import prompt_ids
 from jetflow_pl.decode_options import load_head_or_untrained
 from jetflow_pl.decoding import ARGenerator, GenerationResult, SpeculativeGenerator
 from jetflow_pl.decoding.budget import RoundResult
+from jetflow_pl.files import atomic_write_text
 from jetflow_pl.runtime.loader import BACKEND_KINDS, load_backend
 from jetflow_pl.target import TargetModel
 from jetflow_pl.tree import DraftTree
@@ -263,10 +264,7 @@ def main(argv: list[str] | None = None) -> dict:
 def write_json(path: Path, data: dict, indent: int | None = 2) -> None:
     """Write `data` atomically (a crash mid-write never leaves a truncated results file); `indent=None`
     writes it compactly (results that keep per-prompt records)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=indent))
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(data, indent=indent))
 
 
 if __name__ == "__main__":

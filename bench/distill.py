@@ -55,6 +55,8 @@ from pathlib import Path
 
 import torch
 
+from jetflow_pl.files import atomic_write_text
+
 REPO = Path(__file__).resolve().parents[1]
 MMAP_THRESHOLD = 1 << 20  # bytes; glibc's MALLOC_MMAP_THRESHOLD_ for the memory subprocesses
 
@@ -948,10 +950,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             f"target forward {st['target_forward_s']['median'] * 1e3:.1f} ms, distill step "
             f"{st['distill_step_s']['median'] * 1e3:.1f} ms ({st['distill_step_over_target_forward']:.2f}x)"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(args.out)
+    atomic_write_text(args.out, json.dumps(result, indent=2))
     print(f"wrote {args.out}")
     return result
 

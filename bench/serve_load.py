@@ -37,6 +37,7 @@ from pathlib import Path
 import httpx
 
 from bench.load_plot import budget_label, plot_load
+from jetflow_pl.files import atomic_write_json
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -302,9 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     results["lossless"] = True  # every request's tokens equalled AR's (checked above)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(results, indent=2) + "\n")
-    tmp.replace(args.out)
+    atomic_write_json(args.out, results)
     png = plot(results, args.out.with_suffix(".png"))
     print(f"wrote {args.out}" + (f" and {png}" if png else ""))
     for b, row in results["speedup_vs_ar"].items():

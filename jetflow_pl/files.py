@@ -20,12 +20,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_write_bytes", "atomic_write_json", "atomic_write_text", "json_digest", "stale_temporaries"]
+__all__ = [
+    "atomic_write_bytes",
+    "atomic_write_json",
+    "atomic_write_text",
+    "fsync_dir",
+    "json_digest",
+    "stale_temporaries",
+]
 
 _TMP_PREFIX = ".tmp-"
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
     """Make a rename in `folder` durable (a no-op where directories cannot be opened, e.g. Windows)."""
     try:
         fd = os.open(folder, os.O_RDONLY)
@@ -53,7 +60,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path
 
 

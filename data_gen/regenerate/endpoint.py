@@ -45,8 +45,9 @@ from data_gen.regenerate.endpoint_client import (
     RetryPolicy,
 )
 from data_gen.regenerate.module import collect_stop_ids, sample_seed
-from data_gen.regenerate.writer import RegenerationWriter, atomic_write_bytes
+from data_gen.regenerate.writer import RegenerationWriter
 from jetflow_pl.errors import UserInputError
+from jetflow_pl.files import atomic_write_bytes
 
 __all__ = ["EndpointRegenerationModule", "EndpointRegenerationWriter", "response_tokens"]
 

@@ -29,6 +29,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter, TQDMProgressBar
 from data_gen.regenerate.prompts import stable_hash
 from data_gen.regenerate.schema import ARROW_SCHEMA, make_row, rows_to_table
 from jetflow_pl.errors import UserInputError
+from jetflow_pl.files import atomic_write_bytes, fsync_dir
 
 FORMAT_VERSION = 1
 
@@ -39,29 +40,6 @@ warnings.filterwarnings("ignore", message="Couldn't infer the batch indices")
 
 class OutputFolderError(UserInputError):
     """The output folder cannot be used by this run (another run's data, unreadable shard, ...)."""
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def is_disk_full(err: BaseException) -> bool:
@@ -115,7 +93,7 @@ def merge_shards(out: Path) -> int:
     if final.exists():
         os.replace(final, old)
     os.replace(tmp, final)
-    _fsync_dir(out)
+    fsync_dir(out)
     if old.exists():
         shutil.rmtree(old)
     return len(order)
@@ -291,7 +269,7 @@ class RegenerationWriter(BasePredictionWriter):
                 ) from err
             raise
         os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
         try:
             with open(self.out / "manifest" / f"r{self._rank:05d}.jsonl", "a") as f:
                 f.write(json.dumps({"shard": name, "ids": [r["id"] for r in rows]}) + "\n")

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from data_gen.toy.splits import DOMAINS, heldout_prompts
+from jetflow_pl.files import atomic_write_text
 
 DEFAULT_DIR = Path(__file__).parent / "assets" / "heldout_prompts"
 DEFAULT_N = 20
@@ -41,9 +42,7 @@ def write_heldout_files(out_dir: Path, n: int = DEFAULT_N, seed: int = DEFAULT_S
     paths = []
     for domain in DOMAINS:
         path = out_dir / f"{domain}.jsonl"
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text(jsonl_text(heldout_rows(domain, n, seed)), encoding="utf-8")
-        tmp.replace(path)
+        atomic_write_text(path, jsonl_text(heldout_rows(domain, n, seed)))
         paths.append(path)
     readme = (
         "# Toy held-out prompts\n\n"

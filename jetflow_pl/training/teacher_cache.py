@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from jetflow_pl.errors import UserInputError
+from jetflow_pl.files import atomic_write_text, fsync_dir
 
 FORMAT = "jetflow-teacher-cache"
 FORMAT_VERSION = 1
@@ -194,29 +195,6 @@ def fingerprint_mismatch(stored: dict, expected: dict, taps_subset: bool = False
 
 
 # ---------------------------------------------------------------------------------------------- files
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 def _read_meta(folder: Path) -> dict:
     try:
         meta = json.loads((folder / "cache.json").read_text())
@@ -444,7 +422,7 @@ def build_teacher_cache(
             ],
         }
         (stage / "shards").mkdir(parents=True, exist_ok=True)
-        _atomic_write_text(stage / "cache.json", json.dumps(meta, indent=1))
+        atomic_write_text(stage / "cache.json", json.dumps(meta, indent=1))
     shard_dir = stage / "shards"
     for stale in shard_dir.glob(".tmp-*"):  # a temp file of a killed run: never a finished shard
         stale.unlink(missing_ok=True)
@@ -502,7 +480,7 @@ def build_teacher_cache(
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, path)
-            _fsync_dir(shard_dir)
+            fsync_dir(shard_dir)
             del taps, hidden
             built_tokens += n_tok
             if on_shard_written is not None:
@@ -517,14 +495,14 @@ def build_teacher_cache(
     seconds = time.monotonic() - t0
     meta["complete"] = True
     meta["build"] = {"seconds_last_run": seconds, "tokens_last_run": built_tokens, "total_tokens": total}
-    _atomic_write_text(stage / "cache.json", json.dumps(meta, indent=1))
+    atomic_write_text(stage / "cache.json", json.dumps(meta, indent=1))
     try:
         os.rename(stage, dest)
     except OSError:
         if not cache_ready(dest):  # not a concurrent builder that finished first
             raise
         shutil.rmtree(stage, ignore_errors=True)
-    _fsync_dir(dest.parent)
+    fsync_dir(dest.parent)
     return BuildStats(dest, len(meta["shards"]), len(todo), built_tokens, seconds, max_bytes)
 
 
