@@ -18,15 +18,27 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
+from jetflow_pl.ops.contract import WORD_BITS
 from jetflow_pl.ops.tree_attention import packed_mask_to_dense
 
-if TYPE_CHECKING:
-    from jetflow_pl.tree import DraftTree
+
+class MaskedTree(Protocol):
+    """What packing needs of a tree (`jetflow_pl.tree.DraftTree` is one): its node count, each node's
+    depth and its ancestor-or-self mask. Stated here so the mask layout needs nothing from the tree module."""
+
+    @property
+    def num_nodes(self) -> int: ...
+
+    @property
+    def depths(self) -> Tensor: ...
+
+    def ancestor_mask(self) -> Tensor: ...
+
 
 __all__ = [
     "TreeBatchMasks",
@@ -38,8 +50,6 @@ __all__ = [
     "pack_tree_batch",
     "unpack_mask",
 ]
-
-WORD_BITS = 32
 
 
 def mask_words(n: int) -> int:
@@ -154,7 +164,7 @@ class TreeBatchMasks:
         return past.unsqueeze(1) + self.position_offsets
 
 
-def pack_tree_batch(trees: Sequence[DraftTree], num_nodes: int | None = None) -> TreeBatchMasks:
+def pack_tree_batch(trees: Sequence[MaskedTree], num_nodes: int | None = None) -> TreeBatchMasks:
     """Pack a batch of trees of any sizes (a prompt chunk is :meth:`DraftTree.chain`) for one verify.
 
     ``N`` is ``num_nodes`` (>= the largest tree) or the largest tree's size. Request ``b``'s rows

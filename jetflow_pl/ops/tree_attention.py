@@ -48,12 +48,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-_WORD_BITS = 32
+from jetflow_pl.ops.contract import WORD_BITS, check_inputs
 
 
 def _bit_values(device: torch.device) -> Tensor:
     """int64 `[32]`: `2 ** b`."""
-    return torch.tensor([1 << b for b in range(_WORD_BITS)], dtype=torch.int64, device=device)
+    return torch.tensor([1 << b for b in range(WORD_BITS)], dtype=torch.int64, device=device)
 
 
 def packed_mask_to_dense(packed_mask: Tensor, n: int | torch.SymInt | None = None) -> Tensor:
@@ -73,53 +73,6 @@ def packed_mask_to_dense(packed_mask: Tensor, n: int | torch.SymInt | None = Non
     power = _bit_values(packed_mask.device)
     bits = torch.floor_divide(words, power) - 2 * torch.floor_divide(words, 2 * power)
     return (bits != 0).flatten(-2)[..., :n]
-
-
-def _static(*sizes: object) -> bool:
-    """True when every size is a plain int (eager, or a static axis while exporting)."""
-    return all(isinstance(s, int) for s in sizes)
-
-
-def _check_inputs(
-    query: Tensor,
-    past_key: Tensor,
-    past_value: Tensor,
-    key: Tensor,
-    value: Tensor,
-    packed_mask: Tensor,
-    past_lengths: Tensor | None,
-) -> None:
-    """Ranks, dtypes and the sizes that are known (symbolic sizes of an export are left to the graph)."""
-    _check_shapes(query, past_key, past_value, key, value)
-    if packed_mask.dtype != torch.int32:
-        raise ValueError(f"packed_mask must be int32, got {packed_mask.dtype}")
-    if packed_mask.dim() not in (2, 3):
-        raise ValueError(f"packed_mask must be [N, W] or [B, N, W], got {tuple(packed_mask.shape)}")
-    b, n = query.shape[0], query.shape[2]
-    rows, words = packed_mask.shape[-2], packed_mask.shape[-1]
-    if _static(rows, n) and rows != n:
-        raise ValueError(f"packed_mask has {rows} rows, expected N = {n} (one per query row)")
-    if _static(words, n) and words * _WORD_BITS < n:
-        raise ValueError(f"packed_mask has {words} words per row, N = {n} needs {-(-n // _WORD_BITS)}")
-    if packed_mask.dim() == 3 and _static(packed_mask.shape[0], b) and packed_mask.shape[0] != b:
-        raise ValueError(f"packed_mask is [B={packed_mask.shape[0]}, N, W] but the batch is {b}")
-    if past_lengths is not None:
-        if past_lengths.dtype != torch.int32:
-            raise ValueError(f"past_lengths must be int32, got {past_lengths.dtype}")
-        if past_lengths.dim() != 1 or (_static(past_lengths.shape[0], b) and past_lengths.shape[0] != b):
-            raise ValueError(f"past_lengths must be [B={b}], got {tuple(past_lengths.shape)}")
-
-
-def _check_shapes(query: Tensor, past_key: Tensor, past_value: Tensor, key: Tensor, value: Tensor) -> None:
-    if query.dim() != 4 or key.dim() != 4 or past_key.dim() != 4:
-        raise ValueError("query, key and past_key must be 4-D [B, heads, rows, head_dim]")
-    if key.shape != value.shape or past_key.shape != past_value.shape:
-        raise ValueError(
-            f"key/value shapes differ: {tuple(key.shape)} vs {tuple(value.shape)}, "
-            f"past {tuple(past_key.shape)} vs {tuple(past_value.shape)}"
-        )
-    if query.shape[1] % key.shape[1]:
-        raise ValueError(f"query heads {query.shape[1]} must be a multiple of KV heads {key.shape[1]} (GQA)")
 
 
 def prefix_valid(past_lengths: Tensor, num_past: int | torch.SymInt) -> Tensor:
@@ -164,7 +117,7 @@ def tree_attention_parts(
     replaced by zeros in K and V, so whatever they hold (NaN included) cannot reach a valid row through
     `0 * NaN` in the softmax-weighted sum.
     """
-    _check_inputs(query, past_key, past_value, key, value, packed_mask, past_lengths)
+    check_inputs(query, past_key, past_value, key, value, packed_mask, past_lengths)
     n, p = query.shape[2], past_key.shape[2]
     past_key, past_value = past_key.to(query.dtype), past_value.to(query.dtype)
     tree_visible = packed_mask_to_dense(packed_mask, n)  # [N, N] or [B, N, N]
@@ -255,7 +208,7 @@ def tree_attention_grouped(
     Same numbers as `tree_attention_reference` up to summation order (tests/test_tree_attention_batched.py,
     which also checks that its export copies no cache tensor).
     """
-    _check_inputs(query, past_key, past_value, key, value, packed_mask, past_lengths)
+    check_inputs(query, past_key, past_value, key, value, packed_mask, past_lengths)
     b, hq, n, d = query.shape
     p, hkv = past_key.shape[2], key.shape[1]
     group = hq // hkv

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .tree_attention import _check_inputs
+from jetflow_pl.ops.contract import check_inputs
 
 __all__ = ["is_triton_available", "tree_attention_triton"]
 
@@ -378,7 +378,7 @@ def tree_attention_triton(
     """
     kernel, combine = _kernels()  # raises the ImportError first when triton is missing
     interpret = _interpret_mode()
-    _check_inputs(query, past_key, past_value, key, value, packed_mask, past_lengths)
+    check_inputs(query, past_key, past_value, key, value, packed_mask, past_lengths)
     b, hq, n, d = query.shape
     hkv, p = key.shape[1], past_key.shape[2]
     if key.shape[0] != b or key.shape[2] != n or key.shape[3] != d:

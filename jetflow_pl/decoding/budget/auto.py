@@ -1,82 +1,31 @@
-"""Choosing the draft budget of each round: a fixed number, or `auto` from what rounds cost and yield.
+"""`AutoBudget`: per round, the budget with the best expected tokens per unit of cost; AR when none pays.
 
-Speed at budget k is tau(k) / cost(k): expected tokens per round over the round's cost in AR steps
-(`cost_profile.CostProfile.cost`: t(k+1)/t(1) + draft/t(1); cost(0) = 1, tau(0) = 1, so AR scores 1).
-`AutoBudget` plays the k that maximizes it and plays 0 (plain AR: no draft forward at all) when no k
-is expected to beat AR, so `auto` is never expected to be slower than AR.
+The rules (why, and what was measured: docs/ARCHITECTURE.md, "Choosing the budget"):
 
-Learning tau(k) costs nothing extra: one verified round at budget K tells the accept length of every
-budget k <= K (`acceptance.py`), which is why `auto` refuses `refine_factor`.
-
-The estimate of tau(k) is the mean accept length at k over the rounds seen, shrunk toward a prior
-(`AcceptanceProfile`, e.g. a calibration file saved beside the head) worth `prior_weight` pseudo-rounds,
-so evidence from this data outweighs a prior measured on other data within a few rounds. With `learn`
-(default) the rounds of earlier generations count too, fading out over `memory` rounds per budget;
-without it each generation starts from the prior alone. With no prior and nothing seen yet the first
-`probe_rounds` rounds use the probe budget (the largest one costing at most `probe_cost` AR steps). Budgets above the current
-choice are never observed by playing it, so their estimates could go stale (or a prior from other data
-could be wrong): every `explore_every` rounds the next larger candidate is played once if its estimate
-is within `explore_margin` of the best, and on a session-wide schedule (`probe_every`, doubling while it
-changes nothing) a probe is played whatever the point estimates say; both intervals double while
-exploring does not change the choice, except that a probe round in which a budget above the current
-choice beat the choice on that same round is followed by another probe (the estimate is behind the data:
-cheap, since such rounds are fast). Neither explores nor probes a budget that cannot pay even on an
-optimistic reading of the evidence: an exploration or a probe is played only when some budget it would
-measure has an upper confidence bound on its speed, (tau(k) + `confidence` x standard error) / cost(k),
-above the choice's expected speed (above `min_gain` when the choice is AR), and a probe plays the
-largest such budget (at most the probe budget): it measures every budget that could pay and buys no
-larger tree that cannot (measured, SmolLM2 on torch at 16 requests: budget 1 sits at break-even there,
-and each probe at the probe budget 4 lost ~1.8 batched AR steps, 1-3% of a fresh pass). A budget never
-seen has no bound (k + 1 tokens), so a prior from other data is still checked; the evidence of a budget
-not seen for a while counts less (its rounds are weighted `memory / (memory + rounds since)`), so a
-session whose data changed looks again. What this saves is largest at large batches: at 16 requests on
-2 cores a budget-16 round costs 3-4.5 batched AR steps and yields ~3.5 tokens per request, so a probe there only
-repeats what the session already knows, at a loss (measured, ONNX Runtime: 8-21% of the request-rounds
-of a fresh `auto` at 16 requests went to budgets 8-32).
-
-**A batch of requests** (continuous batching: `RoundInfo` with B requests) shares one budget per
-round: one head forward and one verify forward of B trees padded to the largest. The round's cost is then
-`cost(k, B)` in batched AR steps (`CostProfile.cost(k, batch=B)`: t(B, k+1) + draft + B builds over
-t(B, 1), measured per machine), and what it yields is the sum over the requests of their tau_i(k), so
-the speed against B AR steps batched is `sum_i tau_i(k) / (B * cost(k, B))` and the budget maximizing
-it is played, or 0 when none beats AR by `min_gain`. tau_i(k) is the request's own accept lengths so
-far, shrunk toward the session's estimate (`request_weight` pseudo-rounds), so one well-predicted
-request does not buy a large tree for a batch of hard ones, and a new request starts from what the
-session knows. Acceptance is a property of head and data, not of the batch: every request's rounds feed
-the one session estimate whatever B was. The probe budget, exploration and probing schedule are the
-batch-1 ones with costs at B (a probe at B plays the largest budget costing at most `probe_cost`
-batched AR steps). On a CPU verify cost grows quickly with B x N, so `auto` shrinks the tree as the
-batch grows and plays AR where speculation cannot pay; a batch of one is exactly the batch-1 policy.
-
-**The KV length.** A round's cost ratio depends on the KV length it runs at (an AR step pays the
-attention over the cache once, a tree's rows share that read but add their compute, so trees cost more
-AR steps on short sequences: `CostProfile` module doc). The decode loop tells the policy the round's
-length before each choice (`RoundInfo.kv_len`: the longest of its requests, which a padded batch runs at),
-and every cost the policy reads, its clock check included, is the profile's at that length.
-
-**Tokens left.** A request can take at most the tokens it may still produce (`max_new_tokens` minus what
-it has), so a tree's yield for it counts at most that many (`RoundInfo.remaining`, told by the decode loop
-before each choice): min(tau_i(k), r_i), against AR's one token. A request with one token left gains
-nothing from a tree; near the end of a batch's requests a tree round is no longer bought for tokens
-nobody can take (measured, SmolLM2, torch, 16 requests x 48 tokens: a budget-2 round for 8 requests
-with 0-2 tokens left cost 205 ms against an AR round's 126 ms and bought nothing).
-
-**Checking the cost profile against the clock** (`check_costs`, default on). A profile is measured once,
-under whatever load the machine had then; decoding later, on a busier or a quieter machine, the ratios can
-be off by 2x (measured: a batch-16 round on ONNX Runtime that the profile put at 1.4 AR steps took 2.9).
-So the decode loop reports each round's wall time (`RoundResult.seconds`, to `observe_time`; draft,
-build, verify, acceptance and commit, what the profile's cost covers), and the policy keeps the last
-`timing_window` ratios observed / profiled seconds per (budget, batch bucket: the sizes the profile costs
-with one measured row, so a batch draining from 16 to 9 requests is learned once). Once `timing_samples`
-AR rounds and tree rounds were timed in a bucket, a budget's cost is the profile's times its rounds' ratio
-over AR's (lower medians: robust to the slow first call of a new shape; a budget timed fewer times takes
-the ratio of every tree round in the bucket), where that ratio is above 1: times taken at different
-moments only raise costs (`round_cost` says why). AR times come from AR check rounds: while speculating in a bucket whose AR time is unknown or
-stale, one round in `check_every` (doubling while the checks change nothing, up to `max_check_every`) is
-played as AR. A wrong profile then costs a few rounds, not a session: the choice moves to a smaller
-budget or to AR as soon as the clock disagrees with it. Times expire after `max_check_every` session
-rounds without a new one, so a session that went to AR under a burst of load falls back to the profile
-and tries speculating again (a few rounds per expiry).
+- **Speed.** At budget k it is tau(k) / cost(k): expected tokens per round over the round's cost in AR
+  steps (`CostProfile.cost`; cost(0) = tau(0) = 1). The best k is played, 0 unless some k beats AR by
+  `min_gain`, so `auto` is never expected to be slower than AR.
+- **tau(k)** is the mean accept length at k over the rounds seen, built up the ladder from paired gains
+  (`estimates`) and shrunk toward the head's prior (`AcceptanceProfile`, worth `prior_weight` rounds).
+  One round at budget K tells every k <= K (`acceptance.py`), so learning costs nothing; `learn` keeps
+  the rounds of earlier generations, fading over `memory` rounds per budget.
+- **Looking above the choice.** With no prior, the first `probe_rounds` rounds play the probe budget (the
+  largest costing at most `probe_cost` AR steps). Every `explore_every` rounds the next larger budget is
+  played once when its estimate is within `explore_margin` of the best, and on a session-wide schedule
+  (`probe_every`) a probe is played whatever the estimates say; intervals double while looking changes
+  nothing, and a probe in which a larger budget beat the choice on that same round is followed by
+  another. Only budgets whose upper confidence bound, (tau + `confidence` standard errors) / cost, beats
+  the choice are looked at, and a probe plays the largest of them.
+- **A batch** (`RoundInfo` with B requests) shares one budget: its speed is the sum over requests of
+  min(tau_i(k), tokens left_i) over B * cost(k, B), tau_i being the request's own accept lengths shrunk
+  toward the session's (`request_weight`). A batch of one is exactly the batch-1 policy.
+- **The KV length** of the round (`RoundInfo.kv_len`, the longest request's) prices every cost.
+- **The clock** (`check_costs`): every round's seconds (`RoundResult.seconds`) are compared with the
+  profile's, per budget and batch bucket; once `timing_samples` AR and tree rounds are timed there, a
+  budget's cost is the profile's times (tree / AR observed-over-profiled ratio), only ever raised (times
+  taken at different moments cannot show a tree cheaper). AR times come from AR check rounds every
+  `check_every` rounds (doubling while they change nothing); times expire after `max_check_every`
+  rounds, so a session sent to AR by a burst of load speculates again once it passes.
 """
 
 from __future__ import annotations
@@ -315,16 +264,12 @@ class AutoBudget:
 
     # ---- costs: the profile, checked against the clock --------------------------------------------
     def round_cost(self, budget: int, batch: int = 1) -> float:
-        """Cost of a round at `budget` for `batch` requests in (batched) AR steps: the profile's, corrected
-        by the clock (module doc) once AR and tree rounds were timed in this batch size's bucket: the
-        profile's cost times (observed / profiled seconds of this budget's rounds, or of every tree round
-        there while this budget has too few) over (observed / profiled seconds of AR rounds), where that
-        ratio exceeds 1. That unpaired ratio only raises a cost, never lowers it below the profile's: it
-        divides tree times by AR times taken at other moments, and on a shared machine a burst of slow
-        AR rounds makes it fall below 1 with nothing cheaper about the trees (measured: SmolLM2, torch,
-        a burst of AR rounds at 1.3-1.5x their profile made budget 8 look 20% cheaper, and `auto` played
-        it for 50 rounds at 0.73x AR). (Paired tree/AR rounds that could also lower a cost were tried for 16
-        requests and changed no choice: docs/BENCHMARKS.md, "Paired clock evidence"; removed.)"""
+        """Cost of a round at `budget` for `batch` requests in (batched) AR steps: the profile's, times the
+        clock's ratio in this batch size's bucket (observed/profiled seconds of this budget's rounds, or of
+        every tree round while it has too few, over those of AR rounds) where that ratio exceeds 1. Only
+        raised, never lowered: times taken at different moments on a shared machine can make trees look
+        cheaper with nothing cheaper about them (a burst of slow AR rounds once sent `auto` to 0.73x AR;
+        docs/ARCHITECTURE.md, "Choosing the budget")."""
         assert self.cost is not None, "call start(backend) first"
         profiled = self.cost.cost(budget, batch, self._kv_len)
         if budget == 0 or not self.check_costs:
@@ -616,15 +561,9 @@ class AutoBudget:
         if self._explored_from is not None:
             changed = best() != self._explored_from
             if self._probing:
-                # a probe round in which a budget above the current choice beat the choice itself is
-                # evidence the estimate is behind (a prior from other data, say): probe again next round,
-                # until the choice moves or a probe disagrees. Such rounds cost nothing (they were faster
-                # than the choice); a probe that disagrees backs the schedule off, so a useless head pays
-                # O(log rounds) probes. The comparison is paired, both sides from this one round: an easy
-                # stretch of text, where every budget accepts a lot, then makes no probe look promising
-                # unless the larger trees gained on it (seen on SmolLM2, torch, budget 2 best: 33 of 253
-                # rounds went to the probe budget 64 when one round's best speed at any budget was read
-                # against budget 2's mean).
+                # a probe in which a larger budget beat the choice on this same round (paired: an easy
+                # stretch lifts both sides) says the estimate is behind: probe again next round; a probe
+                # that disagrees backs the schedule off, so a useless head pays O(log rounds) probes
                 promising = self._probe_beat_choice(trees, accepted, self._explored_from, b)
                 if changed or promising:
                     self._probe_interval = self.probe_every
