@@ -150,7 +150,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     backend, ar_backend = load_backends(ns, target, head)  # the generate CLI's: AR on the same backend kind
 
     t0 = time.perf_counter()
-    cost: CostProfile = cost_profile_for(backend, args.cost_profile, full=True)
+    # the bench's own profile is a full one; a --cost-profile FILE given to it is used as it is
+    cost: CostProfile = cost_profile_for(backend, args.cost_profile, full=args.cost_profile is None)
     print(f"cost profile {cost.source} ({time.perf_counter() - t0:.1f} s): {cost.summary()}", flush=True)
 
     prior, prior_from = None, None

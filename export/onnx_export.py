@@ -50,7 +50,7 @@ from jetflow_pl.runtime.contract import (
 )
 from jetflow_pl.runtime.engine_config import FORMAT, FORMAT_VERSION, write_engine_config
 from jetflow_pl.runtime.graphs import decode_graphs, pair_config
-from jetflow_pl.target import TargetModel, _read_config, check_supported
+from jetflow_pl.target import TargetModel, check_supported, read_config
 from jetflow_pl.tree import DraftTree, pack_mask
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ def validate_settings(s: ExportSettings) -> None:
     if not (Path(s.head) / "config.json").is_file():
         raise UserInputError(f"--head {s.head} has no config.json: not a draft head directory")
     try:
-        target_config = _read_config(Path(s.target))
+        target_config = read_config(Path(s.target))
         check_supported(target_config)
     except (ValueError, FileNotFoundError) as err:
         raise UserInputError(str(err)) from err

@@ -48,7 +48,8 @@ class TargetOutput:
     hidden: torch.Tensor | None = None
 
 
-def _read_config(path: Path) -> PretrainedConfig:
+def read_config(path: Path) -> PretrainedConfig:
+    """The HF config of the model folder `path` (local files only, no remote code), or one clear error."""
     if not path.exists():
         raise MissingPathError(f"target model path does not exist: {path}")
     if not (path / "config.json").is_file():
@@ -165,7 +166,7 @@ class TargetModel(nn.Module):
         pickle-only checkpoint fails with one message naming the file instead of deep inside HF.
         """
         path = Path(path)
-        config = _read_config(path)
+        config = read_config(path)
         check_supported(config)
         check_safetensors_dir(path, "target")
         model = AutoModelForCausalLM.from_pretrained(
