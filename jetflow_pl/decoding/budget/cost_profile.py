@@ -3,7 +3,7 @@
 A speculative round at budget k costs one target verify of `N = k + 1` tree nodes plus one head draft
 (head forward + the target's lm_head over the draft depths: a causal head drafts only the min(k, B-1)
 depths a budget-k tree can reach, so the draft is timed per tree size too) plus building the tree; an AR
-step costs a 1-node verify. `budget="auto"` (`budget.py`) needs these costs *relative* to an AR step, t(N)/t(1) and
+step costs a 1-node verify. `budget="auto"` (`auto.py`) needs these costs *relative* to an AR step, t(N)/t(1) and
 draft/t(1), because the best budget is where expected tokens per round divided by relative round cost
 peaks. Those ratios depend on the hardware and the model (on a 2-core CPU t(17)/t(1) is ~2.2 for a 135M
 target; on a GPU it stays near 1 to N = 64 and beyond), so they are measured, once, by the decode backend
