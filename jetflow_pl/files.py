@@ -75,7 +75,8 @@ def atomic_write_json(path: str | Path, obj: Any, indent: int | None = 2, sort_k
 
 
 def stale_temporaries(folder: str | Path) -> Iterator[Path]:
-    """The temp files a killed `atomic_write_*` left in `folder` (never a finished file)."""
+    """What a killed writer left in `folder`: files and folders named with the temp prefix that
+    `atomic_write_*` (and every writer that renames into place) uses, never a finished one."""
     yield from Path(folder).glob(f"{_TMP_PREFIX}*")
 
 

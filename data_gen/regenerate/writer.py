@@ -29,7 +29,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter, TQDMProgressBar
 from data_gen.regenerate.prompts import stable_hash
 from data_gen.regenerate.schema import ARROW_SCHEMA, make_row, rows_to_table
 from jetflow_pl.errors import UserInputError
-from jetflow_pl.files import atomic_write_bytes, fsync_dir
+from jetflow_pl.files import atomic_write_bytes, fsync_dir, stale_temporaries
 
 FORMAT_VERSION = 1
 
@@ -175,7 +175,7 @@ class RegenerationWriter(BasePredictionWriter):
     def _reconcile(self) -> dict[str, list[str]]:
         """Rank 0: drop temp files, rebuild the manifests from the shards (the truth)."""
         for d in (self.out, self.out / "shards"):
-            for tmp in d.glob(".tmp-*"):
+            for tmp in stale_temporaries(d):
                 shutil.rmtree(tmp) if tmp.is_dir() else tmp.unlink()
         by_shard = {p.name: shard_ids(p) for p in list_shards(self.out)}
         per_rank: dict[str, list[str]] = {}

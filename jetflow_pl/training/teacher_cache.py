@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from jetflow_pl.errors import UserInputError
-from jetflow_pl.files import atomic_write_text, fsync_dir
+from jetflow_pl.files import atomic_write_text, fsync_dir, json_digest, stale_temporaries
 
 FORMAT = "jetflow-teacher-cache"
 FORMAT_VERSION = 1
@@ -105,7 +105,7 @@ def target_identity(target_path: str | Path) -> dict[str, Any]:
     for key in ("transformers_version", "_name_or_path"):
         cfg.pop(key, None)
     weights = [_file_identity(p) for p in sorted(path.glob("*.safetensors")) if p.is_file()]
-    return {"config_sha256": _sha256(json.dumps(cfg, sort_keys=True).encode()), "weights": weights}
+    return {"config_sha256": json_digest(cfg), "weights": weights}
 
 
 def dataset_identity(ds) -> dict[str, Any]:
@@ -424,9 +424,9 @@ def build_teacher_cache(
         (stage / "shards").mkdir(parents=True, exist_ok=True)
         atomic_write_text(stage / "cache.json", json.dumps(meta, indent=1))
     shard_dir = stage / "shards"
-    for stale in shard_dir.glob(".tmp-*"):  # a temp file of a killed run: never a finished shard
+    for stale in stale_temporaries(shard_dir):  # a temp file of a killed run: never a finished shard
         stale.unlink(missing_ok=True)
-    fp_hash = _sha256(json.dumps(fp, sort_keys=True).encode())
+    fp_hash = json_digest(fp)
 
     todo = []
     for i, sh in enumerate(meta["shards"]):
