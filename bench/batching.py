@@ -215,10 +215,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                     cost = policy.cost
                     views[B] = {
                         "cost_at_B": {k: round(cost.cost(k, B), 3) for k in cost.budgets_at(B)},
-                        "cost_at_B_kv": {
-                            str(kv): {k: round(cost.cost(k, B, kv), 3) for k in cost.budgets_at(B)}
-                            for kv in (64, 128, cost.kv_len)
-                        },
                         "t_B1_over_t1": cost.batch_ar_ratio(B),
                         "session_tau": {k: round(v, 3) for k, v in policy.estimates().items()},
                         # the clock check (AutoBudget.timing_report): observed vs profiled round times

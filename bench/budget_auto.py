@@ -5,7 +5,7 @@
 
 Any target/head pair works (`--target models/SmolLM2-135M-Instruct --head DIR` for the real target), on
 the torch, graph or ONNX Runtime backend. One run on one machine: the cost profile of this machine
-(`jetflow_pl.decoding.cost_profile`, cached per machine and model, or `--cost-profile FILE`), then AR,
+(`jetflow_pl.decoding.budget.measure_costs`, cached per machine and model, or `--cost-profile FILE`), then AR,
 HF `generate()`, every fixed budget and `auto` decode the same prompts, prompt-major (each prompt by
 every configuration within a few seconds, so load changes on a shared machine hit all alike), greedy.
 `--repeats N` runs the whole prompt pass N times (a fresh `auto` policy each time, so every repeat is the
@@ -44,10 +44,10 @@ from jetflow_pl.decoding import ARGenerator, GenerationResult, SpeculativeGenera
 from jetflow_pl.decoding.budget import (
     ACCEPTANCE_PROFILE_FILE,
     AcceptanceProfile,
-    AcceptanceStats,
     AutoBudget,
 )
-from jetflow_pl.decoding.budget.cost_profile import CostProfile, cost_profile_for
+from jetflow_pl.decoding.budget.cost_profile import CostProfile
+from jetflow_pl.decoding.budget.measure_costs import cost_profile_for
 from jetflow_pl.generate_cli import hf_decode_tokens_per_s
 from jetflow_pl.prompt_files import load_local_rows
 from jetflow_pl.runtime.loader import BACKEND_KINDS
@@ -101,9 +101,10 @@ def spread(values: Sequence[float]) -> dict:
 def calibrate(backend, prompts, budget: int, width: int, eos, max_new: int) -> AcceptanceProfile:
     """Acceptance at every ladder budget <= `budget`, from fixed-budget runs on `prompts`."""
     gen = SpeculativeGenerator(backend, budget, width, eos_token_id=eos)
+    stats = gen.record_acceptance()
     for ids in prompts:
         gen.generate(ids, max_new)
-    return gen.acceptance.to_profile(width, note=f"bench/budget_auto.py calibration, budget {budget}")
+    return stats.to_profile(width, note=f"bench/budget_auto.py calibration, budget {budget}")
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -187,7 +188,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ar.generate(prompts[0], 8)  # warm-up (first-call allocations), not measured
     for g in gens.values():
         g.generate(prompts[0], 8)
-        g.acceptance = AcceptanceStats(g.acceptance.budgets)  # count measured rounds only
+    # the largest fixed budget's acceptance, counted over the measured rounds only
+    largest = gens[str(max(args.budgets))].record_acceptance()
 
     # per repeat: every configuration's runs, AR's, HF's (tokens, seconds)
     reps: list[dict[str, list[GenerationResult]]] = []
@@ -246,8 +248,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "source": cost.source,
             "kv_len": cost.kv_len,
             "t1_ms": cost.t1 * 1e3,
-            "verify_ratio": {str(n): cost.verify_ratio(n) for n in cost.nodes},
-            "draft_ratio": {str(k): cost.draft_ratio_at(k) for k in cost.budgets},
             "cost": {str(k): cost.cost(k) for k in cost.budgets},
         },
         "acceptance_prior": None if prior is None else {"from": prior_from, **prior.to_dict()},
@@ -312,8 +312,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         result[name] = row
     # accept length at every ladder budget <= the largest fixed one, from that budget's own rounds (the
     # prefix property: its first k+1 nodes are the budget-k tree)
-    stats = gens[str(max(args.budgets))].acceptance
-    result["acceptance_by_budget"] = {str(k): stats.mean(k) for k in stats.budgets if stats.count(k)}
+    result["acceptance_by_budget"] = {str(k): largest.mean(k) for k in largest.budgets if largest.count(k)}
 
     print(f"AR {ar_tps:.1f} tok/s" + (f" | HF generate {hf_rate:.1f} tok/s" if hf_rate else ""))
     for k, row in fixed.items():

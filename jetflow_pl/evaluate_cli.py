@@ -38,7 +38,6 @@ from jetflow_pl.decode_options import (
     parse_budget,
 )
 from jetflow_pl.decoding import ARGenerator, SpeculativeGenerator
-from jetflow_pl.decoding.budget import AcceptanceStats
 from jetflow_pl.errors import NumericalError, UserInputError
 from jetflow_pl.evaluation import (
     AR_LABEL,
@@ -260,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
     for cfg in [ar, *configs]:
         cfg.generate(warm, 8)
         if cfg.generator is not None:  # the profile saved at the end counts the measured turns only
-            cfg.generator.acceptance = AcceptanceStats(cfg.generator.acceptance.budgets)
+            cfg.acceptance = cfg.generator.record_acceptance()
     from tqdm.auto import tqdm
 
     total = sum(1 + len(c.later) for c in conversations)
@@ -342,7 +341,7 @@ def save_prior(configs: Sequence[DecodeConfig], args: argparse.Namespace, turns:
     best = max((c for c in fixed if c.head == first_head), key=lambda c: c.budget)
     note = f"python -m jetflow_pl evaluate, budget {best.budget}, {turns} turns of {', '.join(args.prompts)}"
     try:
-        profile = best.generator.acceptance.to_profile(args.width, note=note)
+        profile = best.acceptance.to_profile(args.width, note=note)
     except ValueError as err:
         raise UserInputError(f"--save-acceptance-profile: {err}") from err
     profile.save(args.save_acceptance_profile)

@@ -56,8 +56,10 @@ class DecodeConfig:
     generate: Callable[..., GenerationResult]
     budget: int | str = 0
     head: str | None = None
-    #: the generator behind `generate` where there is one (its acceptance statistics)
+    #: the generator behind `generate` where there is one
     generator: Any = None
+    #: the acceptance it records once measuring starts (`SpeculativeGenerator.record_acceptance`)
+    acceptance: Any = None
     #: the ids the head can draft (its draft vocabulary); None = every id
     draft_vocab: frozenset[int] | None = None
 

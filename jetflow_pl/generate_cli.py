@@ -174,6 +174,7 @@ def _run(args: argparse.Namespace) -> int:
     budget = budget_policy(args)
     backend, ar_backend = load_backends(args, target, head)
     spec = SpeculativeGenerator(backend, budget, args.width, policy, eos)
+    recorded = spec.record_acceptance() if args.save_acceptance_profile is not None else None
     ar = ARGenerator(ar_backend, eos) if args.compare else None
 
     rows = []
@@ -219,9 +220,9 @@ def _run(args: argparse.Namespace) -> int:
                 line += f" | identical to AR: {row['matches_ar']}"
         print(line + "]")
         rows.append(row)
-    if args.save_acceptance_profile is not None:
+    if recorded is not None:
         try:
-            prof = spec.acceptance.to_profile(args.width, note=f"jetflow-generate on {len(prompts)} prompts")
+            prof = recorded.to_profile(args.width, note=f"jetflow-generate on {len(prompts)} prompts")
         except ValueError as err:
             raise UserInputError(f"--save-acceptance-profile: {err}") from err
         prof.save(args.save_acceptance_profile)

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(
 
 def test_bench_budget_auto_smoke(tmp_path, monkeypatch):
     from jetflow_pl.checkpoints import load_draft_head
-    from jetflow_pl.decoding.budget.cost_profile import measure_cost_profile
+    from jetflow_pl.decoding.budget.measure_costs import measure_cost_profile
     from jetflow_pl.runtime.torch_backend import TorchBackend
     from jetflow_pl.target import TargetModel
 

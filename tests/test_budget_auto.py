@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TINY_VOCAB
+from synthetic_costs import profile_of
 
 from jetflow_pl.decoding import ARGenerator, SamplingConfig, SpeculativeGenerator
 from jetflow_pl.decoding.budget import (
@@ -35,17 +36,9 @@ EOS = 1
 
 # ------------------------------------------------------------------------------------------ helpers
 def synthetic_cost(verify: dict[int, float], draft: float, build: float = 0.0) -> CostProfile:
-    """A cost profile with t(1) = 1 s and the given t(N) (seconds = ratios)."""
-    nodes = sorted(verify)
-    return CostProfile(
-        fingerprint={"machine": "synthetic"},
-        nodes=nodes,
-        verify_s=[verify[n] for n in nodes],
-        build_s=[0.0 if n == 1 else build for n in nodes],
-        draft_s=draft,
-        kv_len=256,
-        repeats=1,
-    )
+    """A cost profile with t(1) = 1 s and the given verify t(N), a round with a draft paying `draft` and
+    `build` on top (seconds = ratios)."""
+    return profile_of({1: {n: t + (draft + build if n > 1 else 0.0) for n, t in verify.items()}})
 
 
 def linear_cost(slope: float, draft: float) -> CostProfile:
@@ -412,6 +405,26 @@ def test_auto_sampling_matches_the_ar_distribution(tiny):
     assert stat < chi2_critical(len(keys) - 1), (stat, counts_spec, counts_ar)
 
 
+def test_recorded_acceptance_counts_the_rounds_played_after_it_starts(tiny):
+    """The session's acceptance (an acceptance profile's data) is a round observer the caller asks for:
+    rounds before it are not in it, every round after it is, at every ladder budget the tree covered; a
+    refined tree is no prefix tree, so a refining generator records nothing."""
+    target, ps, refs = tiny
+    gen = SpeculativeGenerator(TorchBackend(target, make_head(target)), 4, eos_token_id=EOS)
+    gen.generate(ps[0], 8)  # before recording: not counted
+    stats = gen.record_acceptance()
+    assert stats.budgets == tuple(k for k in LADDER_BUDGETS if k <= gen.max_budget)
+    res = gen.generate(ps[1], 24)
+    assert res.tokens == refs[1] and set(res.budgets) == {4}
+    assert stats.count(4) == res.num_rounds and stats.count(8) == 0
+    assert stats.mean(4) == pytest.approx(res.tau)
+    refining = SpeculativeGenerator(
+        TorchBackend(target, make_head(target)), 4, refine_factor=2, eos_token_id=EOS
+    )
+    nothing = refining.record_acceptance()
+    assert refining.generate(ps[1], 24).tokens == refs[1] and not any(nothing.counts)
+
+
 def test_auto_falls_back_to_ar_without_a_single_draft_forward(tiny):
     target, ps, refs = tiny
     useless = prior_of({k: 1.0 for k in LADDER_BUDGETS if k})
@@ -438,7 +451,7 @@ def test_auto_with_the_string_measures_and_caches_a_profile(tiny, tmp_path, monk
     cached = list((tmp_path / "cost_profiles").glob("*.json"))
     assert len(cached) == 1
     prof = CostProfile.load(cached[0])
-    assert prof.nodes[0] == 1 and prof.cost(0) == 1.0
+    assert prof.nodes[0][0] == 1 and prof.cost(0) == 1.0
     assert gen.budget_policy.cost.nodes == prof.nodes
 
 

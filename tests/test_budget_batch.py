@@ -9,7 +9,6 @@ on the tiny random target with a tiny ladder and assert the structure, never the
 
 from __future__ import annotations
 
-import itertools
 import json
 
 import pytest
@@ -31,12 +30,10 @@ from jetflow_pl.decoding.budget.cost_profile import (
     PROFILE_VERSION,
     CostProfile,
     CostProfileMismatch,
-    batch_sizes_for,
     cache_file,
-    cost_profile_for,
     fingerprint,
-    measure_cost_profile,
 )
+from jetflow_pl.decoding.budget.measure_costs import batch_sizes_for, cost_profile_for, measure_cost_profile
 from jetflow_pl.errors import UserInputError
 from jetflow_pl.head import DraftHead, DraftHeadConfig
 from jetflow_pl.runtime.torch_backend import TorchBackend
@@ -110,12 +107,11 @@ def test_cost_at_batch_size_uses_the_measured_row_or_errs_toward_ar():
     assert cpu.cost(16, 3) == cpu.cost(16, 4)  # between measured sizes: the larger one's (dearer) costs
     assert cpu.cost(16, 16) == pytest.approx(2 * cpu.cost(16, 8))  # above: bounded by B / B_max times
     no_batch = profile({})
-    assert no_batch.cost(16, 4) == pytest.approx(4 * no_batch.cost(16, 1))  # no batch dimension: B times
+    assert no_batch.cost(16, 4) == pytest.approx(4 * no_batch.cost(16, 1))  # batch 1 alone: B times
     assert cpu.batch_ar_ratio(8) == pytest.approx(4.0) and cpu.batch_ar_ratio(3) is None
     short = profile({4: 0.25})
-    short.batch_nodes[0] = short.batch_nodes[0][:4]  # the ladder at B = 4 stopped at N = 5
-    short.batch_verify_s[0] = short.batch_verify_s[0][:4]
-    short.batch_build_s[0] = short.batch_build_s[0][:4]
+    short.nodes[1] = short.nodes[1][:4]  # the ladder at B = 4 stopped at N = 5
+    short.round_s[1] = short.round_s[1][:4]
     assert short.budgets_at(4) == [0, 1, 2, 4]
     with pytest.raises(ValueError, match="not measured at batch 4"):
         short.cost(16, 4)
@@ -123,15 +119,26 @@ def test_cost_at_batch_size_uses_the_measured_row_or_errs_toward_ar():
 
 def test_inconsistent_batch_rows_are_one_clear_error():
     good = CPU.to_dict()
-    bad = dict(good, batch_sizes=[4, 2, 8])
-    with pytest.raises(UserInputError, match="batch sizes must be > 1 and increase"):
+    bad = dict(good, batch_sizes=[1, 4, 2, 8])
+    with pytest.raises(UserInputError, match="batch sizes must start at 1 and increase"):
         CostProfile(**bad)
-    bad = dict(good, batch_draft_s=good["batch_draft_s"][:2])
+    bad = dict(good, batch_sizes=[2, 4, 8, 16])
+    with pytest.raises(UserInputError, match="batch sizes must start at 1 and increase"):
+        CostProfile(**bad)
+    bad = dict(good, round_s=good["round_s"][:2])
     with pytest.raises(UserInputError, match="per batch size"):
         CostProfile(**bad)
     bad = json.loads(json.dumps(good))
-    bad["batch_nodes"][1] = [2, 3]
-    with pytest.raises(UserInputError, match="at batch 4 must start at 1"):
+    bad["nodes"][2] = [2, 3]
+    with pytest.raises(UserInputError, match="at batch 4 must start at N = 1"):
+        CostProfile(**bad)
+    bad = json.loads(json.dumps(good))
+    bad["round_s"][2] = bad["round_s"][2][:3]
+    with pytest.raises(UserInputError, match="at batch 4: one round time per tree size"):
+        CostProfile(**bad)
+    bad = json.loads(json.dumps(good))
+    bad["round_s"][1][0] = 0.0
+    with pytest.raises(UserInputError, match="at batch 2 must be positive"):
         CostProfile(**bad)
 
 
@@ -284,28 +291,28 @@ def tiny_target(tiny_target_dir) -> TargetModel:
 
 
 def measure_kw() -> dict:
-    return {"kv_len": 32, "nodes": SMALL_LADDER, "repeats": 1, "batch_repeats": 1}
+    return {"kv_len": 32, "nodes": SMALL_LADDER, "repeats": 1}
 
 
 def test_batch_sizes_follow_the_engine_and_the_backend_slots(tiny_target):
     head = tiny_head(tiny_target)
-    assert batch_sizes_for(TorchBackend(tiny_target, head, max_batch=64)) == [2, 4, 8]  # the default cap
-    assert batch_sizes_for(TorchBackend(tiny_target, head, max_batch=64), 6) == [2, 4, 6]
-    assert batch_sizes_for(TorchBackend(tiny_target, head, max_batch=3), 8) == [2, 3]
-    assert batch_sizes_for(TorchBackend(tiny_target, head, max_batch=1), 8) == []
-    assert batch_sizes_for(TorchBackend(tiny_target, head), 1) == []
+    assert batch_sizes_for(TorchBackend(tiny_target, head, max_batch=64)) == [1, 2, 4, 8]  # the default cap
+    assert batch_sizes_for(TorchBackend(tiny_target, head, max_batch=64), 6) == [1, 2, 4, 6]
+    assert batch_sizes_for(TorchBackend(tiny_target, head, max_batch=3), 8) == [1, 2, 3]
+    assert batch_sizes_for(TorchBackend(tiny_target, head, max_batch=1), 8) == [1]
+    assert batch_sizes_for(TorchBackend(tiny_target, head), 1) == [1]
 
 
 def test_measured_batch_dimension_and_the_backend_left_clean(tiny_target):
     backend = TorchBackend(tiny_target, tiny_head(tiny_target), max_batch=4)
     prof = measure_cost_profile(backend, max_batch=4, **measure_kw())
-    assert prof.batch_sizes == [2, 4] and prof.max_measured_batch == 4
-    for b, nodes in zip(prof.batch_sizes, prof.batch_nodes, strict=True):
+    assert prof.batch_sizes == [1, 2, 4] and prof.max_measured_batch == 4
+    for b, nodes in zip(prof.batch_sizes, prof.nodes, strict=True):
         assert nodes[0] == 1 and set(nodes) <= set(SMALL_LADDER) and len(nodes) >= 2
         ratios = [prof.cost(n - 1, b) for n in nodes]
         assert ratios[0] == 1.0 and all(r > 1.0 for r in ratios[1:])  # a draft costs something
-        verify = prof.batch_verify_s[prof.batch_sizes.index(b)]
-        assert all(x <= y for x, y in zip(verify, verify[1:], strict=False))  # monotone fit in N
+        secs = prof.round_s[prof.batch_sizes.index(b)]
+        assert all(x <= y for x, y in zip(secs, secs[1:], strict=False))  # monotone fit in N
     assert "batch 4:" in prof.summary()
     # every slot it used is free again and the backend decodes as before
     assert all(backend.past_length(s) == 0 and backend.kv.group(s).size == 1 for s in range(4))
@@ -317,15 +324,15 @@ def test_profile_cache_round_trips_completes_and_refuses_another_model(tiny_targ
     backend = TorchBackend(tiny_target, tiny_head(tiny_target), max_batch=8)
     first = cost_profile_for(backend, max_batch=4, **measure_kw())
     path = cache_file(fingerprint(backend))
-    assert path.is_file() and path.is_relative_to(tmp_path) and first.batch_sizes == [2, 4]
+    assert path.is_file() and path.is_relative_to(tmp_path) and first.batch_sizes == [1, 2, 4]
     loaded = CostProfile.load(path)
     # every field survives the JSON round trip
-    assert loaded == first and loaded.version == PROFILE_VERSION == 4 and loaded.short_kv is not None
+    assert loaded == first and loaded.version == PROFILE_VERSION == 5
 
-    import jetflow_pl.decoding.budget.cost_profile as cp
+    import jetflow_pl.decoding.budget.measure_costs as mc
 
     asked: list[list[int]] = []
-    real = cp.measure_batch_costs
+    real = mc.measure_rounds
 
     def recording(backend, sizes, *a, **k):
         asked.append(list(sizes))
@@ -334,37 +341,39 @@ def test_profile_cache_round_trips_completes_and_refuses_another_model(tiny_targ
     def no_measuring(*a, **k):
         raise AssertionError("a cached, matching profile must not be re-measured")
 
-    monkeypatch.setattr(cp, "measure_cost_profile", no_measuring)
-    monkeypatch.setattr(cp, "measure_batch_costs", recording)
-    assert cost_profile_for(backend, max_batch=4).batch_sizes == [2, 4] and asked == []  # covered
-    wider = cost_profile_for(backend, max_batch=8)  # the engine now batches 8: only B = 8 is measured,
-    assert asked == [[8], [8]]  # at both KV lengths
-    assert wider.batch_sizes == [2, 4, 8] and wider.verify_s == first.verify_s
-    assert [len(r) for r in wider.short_kv["batch_verify_s"]] == [len(n) for n in wider.batch_nodes]
+    monkeypatch.setattr(mc, "measure_cost_profile", no_measuring)
+    monkeypatch.setattr(mc, "measure_rounds", recording)
+    assert cost_profile_for(backend, max_batch=4).batch_sizes == [1, 2, 4] and asked == []  # covered
+    wider = cost_profile_for(backend, max_batch=8)  # the engine now batches 8: only B = 8 is measured
+    assert asked == [[8]]
+    assert wider.batch_sizes == [1, 2, 4, 8] and wider.round_s[:3] == first.round_s
+    assert wider.nodes[3][0] == 1 and set(wider.nodes[3]) <= set(first.nodes[0])  # the batch-1 tree sizes
     assert CostProfile.load(path) == wider  # and the cache file now holds it
 
-    # a version-1 file (no batch dimension) still loads; its batch sizes are measured and written back
-    old = {
-        k: v
-        for k, v in json.loads(path.read_text()).items()
-        if not k.startswith("batch_") and k != "short_kv"
-    }
-    old["version"] = 1
-    v1 = tmp_path / "v1.json"
-    v1.write_text(json.dumps(old))
-    assert CostProfile.load(v1).batch_sizes == []
+    # a given file that lacks a batch size is completed and written back
+    given = tmp_path / "given.json"
+    given.write_text(
+        json.dumps(
+            dict(
+                json.loads(path.read_text()),
+                batch_sizes=[1],
+                nodes=wider.nodes[:1],
+                round_s=wider.round_s[:1],
+            )
+        )
+    )
     asked.clear()
-    upgraded = cost_profile_for(backend, v1, max_batch=2)
-    assert asked == [[2]] and upgraded.batch_sizes == [2]
-    assert json.loads(v1.read_text())["version"] == PROFILE_VERSION
-    assert CostProfile.load(v1).batch_sizes == [2]
+    upgraded = cost_profile_for(backend, given, max_batch=2)
+    assert asked == [[2]] and upgraded.batch_sizes == [1, 2]
+    assert CostProfile.load(given).batch_sizes == [1, 2]
 
     # a profile measured for another head stays refused, whatever its batch dimension
     other = TorchBackend(tiny_target, tiny_head(tiny_target, layers=2), max_batch=8)
     with pytest.raises(CostProfileMismatch, match="measured for another model or machine"):
-        cost_profile_for(other, v1, max_batch=2)
-    with pytest.raises(UserInputError, match="expected one of"):
-        CostProfile.load(_with_version(v1, tmp_path, 9))
+        cost_profile_for(other, given, max_batch=2)
+    # a file of an earlier format (verify, build and draft timed apart) is one error that says what to do
+    with pytest.raises(UserInputError, match="version 4, expected 5: delete it to re-measure"):
+        CostProfile.load(_with_version(given, tmp_path, 4))
 
 
 def _with_version(src, tmp_path, version: int):
@@ -485,48 +494,8 @@ def test_the_decode_loop_tells_auto_each_requests_tokens_left(toy):
 
 
 @pair_needed
-def test_the_decode_loop_tells_auto_the_longest_kv_length_of_the_round(toy):
-    """Before every round the policy learns the KV length the round's verify runs at: the longest cache
-    among its requests (prompt + tokens so far, less the anchor not yet in the cache), so its trees are
-    priced at that length; requests of different lengths, joining and leaving."""
-    head, target, prompts, refs = toy
-    told: list[int] = []
-
-    class Recording(AutoBudget):
-        def choose(self, info):
-            told.append(info.kv_len)
-            return super().choose(info)
-
-    pol = Recording(GPU, prior(), check_costs=False)
-    gen = SpeculativeGenerator(TorchBackend(target, head, max_batch=2), pol, width=4, eos_token_id=EOS)
-    engine = gen.engine(max_batch=2, prefill_chunk=None)
-    order = sorted(range(4), key=lambda i: -len(prompts[i]))  # the longest prompt leaves first
-    limits = {order[0]: 6, order[1]: 20, order[2]: 20, order[3]: 12}
-    handles: dict[int, object] = {}
-    pending = list(order)
-    while pending or not engine.idle:
-        while pending and engine.num_active + engine.num_waiting < engine.max_batch:
-            i = pending.pop(0)
-            handles[i] = engine.submit(prompts[i], limits[i])
-        before = {i: len(h.result.tokens) for i, h in handles.items() if not h.done}
-        rounds = len(told)
-        engine.step()
-        if len(told) == rounds:
-            continue
-        assert len(told) == rounds + 1
-        # a request prefilled in this step drew its first token (its anchor) before the round
-        expect = max(len(prompts[i]) + max(1, n) - 1 for i, n in before.items())
-        assert told[-1] == expect
-    for i, h in handles.items():
-        assert h.tokens == refs[i][: limits[i]]
-    # the length grew as requests decoded and fell when the longest one left
-    steps = [b - a for a, b in itertools.pairwise(told)]
-    assert max(steps) > 0 > min(steps)
-
-
-@pair_needed
 def test_measured_batch_profile_in_a_live_engine_is_lossless(toy, tmp_path, monkeypatch):
-    """`auto` with no cached profile at batch 4: the engine measures batch sizes 2 and 4 (slots 0..3)
+    """`auto` with no cached profile at batch 4: the engine measures batch sizes 1, 2 and 4 (slots 0..3)
     before any request owns KV, and the requests come out exact."""
     monkeypatch.setenv("JETFLOW_PL_CACHE_DIR", str(tmp_path))
     head, target, prompts, refs = toy
@@ -536,4 +505,4 @@ def test_measured_batch_profile_in_a_live_engine_is_lossless(toy, tmp_path, monk
         assert h.tokens == ref[:24]
     assert peak == 4
     (cached,) = (tmp_path / "cost_profiles").glob("*.json")
-    assert CostProfile.load(cached).batch_sizes == [2, 4]
+    assert CostProfile.load(cached).batch_sizes == [1, 2, 4]

@@ -16,10 +16,9 @@ from jetflow_pl.decoding.budget.cost_profile import (
     CostProfile,
     CostProfileMismatch,
     cache_file,
-    cost_profile_for,
     fingerprint,
-    measure_cost_profile,
 )
+from jetflow_pl.decoding.budget.measure_costs import cost_profile_for, kv_slack, measure_cost_profile
 from jetflow_pl.errors import UserInputError
 from jetflow_pl.head import DraftHead, DraftHeadConfig
 from jetflow_pl.runtime.torch_backend import TorchBackend
@@ -58,52 +57,52 @@ class LimitedBackend(TorchBackend):
 
 def test_measured_profile_shape_and_ratios(backend):
     prof = quick(backend)
-    assert prof.nodes == list(SMALL_LADDER) and prof.budgets == [0, 1, 4, 16]
-    assert prof.kv_len == 32 and prof.t1 > 0 and prof.draft_s[0] == 0.0 and min(prof.draft_s[1:]) > 0
-    # a tree that can grow deeper never needs a cheaper draft (the fit keeps noise from saying so)
-    assert prof.draft_s == sorted(prof.draft_s) and prof.draft_ratio == prof.draft_ratio_at(16)
-    assert prof.cost(0) == 1.0
-    # a round with a draft costs its draft on top of its verify: cost(k) >= t(k+1)/t(1) + draft(k)/t(1)
-    for k in (1, 4, 16):
-        assert prof.cost(k) >= prof.verify_ratio(k + 1) + prof.draft_ratio_at(k) - 1e-12
+    assert prof.batch_sizes == [1, 2, 4, 8] and prof.nodes[0] == list(SMALL_LADDER)  # the backend's default
+    assert prof.budgets == [0, 1, 4, 16]
+    assert prof.kv_len == 32 and prof.t1 > 0 and prof.cost(0) == 1.0
+    # a round of more nodes is never cheaper (the fit keeps noise from saying so), and a round with a
+    # draft costs at least an AR round
+    costs = [prof.cost(k) for k in prof.budgets]
+    assert costs == sorted(costs) and min(costs[1:]) >= 1.0
     with pytest.raises(ValueError, match="was not measured"):
         prof.cost(8)
     # measuring leaves the backend usable: a fresh prefill decodes as before
     assert backend.prefill(torch.tensor([3, 4, 5])).shape == (TINY_VOCAB,)
 
 
-def test_a_profile_is_measured_at_a_second_shorter_kv_length_with_the_same_tree_sizes(backend, monkeypatch):
-    """The second point of the KV model (`short_kv`) is a real measurement at kv_len / 4 positions: the
-    backend is prefilled at both lengths, and the short rows have the long rows' shapes."""
-    lengths: list[int] = []
-    real = backend.prefill
+def test_rounds_are_measured_through_the_decode_loop_near_the_profile_s_kv_length(target, monkeypatch):
+    """The profile times `round.run_round` itself (the round decoding plays: it commits what it accepts,
+    so the KV grows), and a measurement prefills again before the KV has grown by `kv_slack` positions:
+    every timed verify runs within that many positions of `kv_len`, at every batch size."""
+    import jetflow_pl.decoding.budget.measure_costs as mc
 
-    def recording(prompt_ids, *a, **k):
-        lengths.append(int(prompt_ids.shape[-1]))
-        return real(prompt_ids, *a, **k)
+    backend = TorchBackend(target, head_for(target), max_batch=2)
+    rounds, lengths = [], []
+    real_round, real_verify = mc.run_round, backend.verify_batch
 
-    monkeypatch.setattr(backend, "prefill", recording)
-    prof = quick(backend)
-    assert set(lengths) == {32, 8} and lengths[0] == 32  # the first length first, then the second
-    short = prof.short_kv
-    assert short is not None and short["kv_len"] == 8
-    assert [len(short[k]) for k in ("verify_s", "build_s", "draft_s")] == [len(prof.nodes)] * 3
-    # read at the short point: its own measurement, unless timing noise made the longer length the faster
-    # one, where the documented rule (`_at_kv`) treats the step as length-free and takes the mean of both
-    lo, hi = short["verify_s"][0], prof.verify_s[0]
-    assert prof.ar_seconds(1, 8) == (lo if hi >= lo else (lo + hi) / 2) and prof.ar_seconds(1) == hi
-    assert "at KV 8" in prof.summary()
-    lengths.clear()
-    assert quick(backend, short_kv_len=0).short_kv is None and set(lengths) == {32}  # asked for none
-    # a context too short for a second point (kv 16 // 4 is under MIN_SHORT_KV) measures one length
-    assert measure_cost_profile(backend, kv_len=16, nodes=(1, 2), repeats=1).short_kv is None
+    def counting(settings, be, requests):
+        rounds.append(len(requests))
+        return real_round(settings, be, requests)
+
+    def recording(slots, trees):
+        lengths.extend(backend.past_length(s) for s in slots)
+        return real_verify(slots, trees)
+
+    monkeypatch.setattr(mc, "run_round", counting)
+    monkeypatch.setattr(backend, "verify_batch", recording)
+    prof = measure_cost_profile(backend, kv_len=32, nodes=SMALL_LADDER, repeats=2, max_batch=2)
+    assert prof.batch_sizes == [1, 2] and set(rounds) == {1, 2}
+    assert 32 <= min(lengths) and max(lengths) <= 32 + kv_slack(32)
+    assert max(lengths) > 32  # rounds committed tokens: the KV grew between prefills
 
 
 def test_ladder_is_capped_by_the_backend_limit_and_the_context(target):
     limited = LimitedBackend(target, head_for(target))
-    assert quick(limited).nodes == [1, 2, 5]
+    assert quick(limited).nodes[0] == [1, 2, 5]
     # no head: only the AR step can be measured
-    assert measure_cost_profile(TorchBackend(target), kv_len=16, nodes=SMALL_LADDER, repeats=1).nodes == [1]
+    assert measure_cost_profile(TorchBackend(target), kv_len=16, nodes=SMALL_LADDER, repeats=1).nodes[0] == [
+        1
+    ]
 
 
 def test_fingerprint_names_machine_software_backend_and_models(target, backend):
@@ -127,13 +126,13 @@ def test_cache_measures_once_then_reuses(backend, tmp_path, monkeypatch):
     def no_measuring(*a, **k):
         raise AssertionError("a cached, matching profile must not be re-measured")
 
-    monkeypatch.setattr("jetflow_pl.decoding.budget.cost_profile.measure_cost_profile", no_measuring)
+    monkeypatch.setattr("jetflow_pl.decoding.budget.measure_costs.measure_cost_profile", no_measuring)
     again = cost_profile_for(backend, cache_dir=tmp_path)
-    assert again.source == str(path) and again.verify_s == first.verify_s
+    assert again.source == str(path) and again.round_s == first.round_s
 
 
 def test_a_first_measurement_is_quick_and_measure_costs_replaces_it_in_full(backend, tmp_path, monkeypatch):
-    """Nothing cached: one timed pass per KV length (`QUICK_REPEATS`), so a first `auto` answers after a
+    """Nothing cached: one timed pass per batch size (`QUICK_REPEATS`), so a first `auto` answers after a
     bounded wait; `full=True` (`--measure-costs`) replaces that quick profile on disk by the full one, and
     a full profile is then reused, never re-measured."""
     first = cost_profile_for(backend, cache_dir=tmp_path, kv_len=32, nodes=SMALL_LADDER)
@@ -148,13 +147,13 @@ def test_a_first_measurement_is_quick_and_measure_costs_replaces_it_in_full(back
     def no_measuring(*a, **k):
         raise AssertionError("a full profile must not be re-measured")
 
-    monkeypatch.setattr("jetflow_pl.decoding.budget.cost_profile.measure_cost_profile", no_measuring)
+    monkeypatch.setattr("jetflow_pl.decoding.budget.measure_costs.measure_cost_profile", no_measuring)
     assert cost_profile_for(backend, cache_dir=tmp_path, full=True).source == str(path)
 
 
 def test_the_progress_bar_counts_every_pass_of_the_measurement(target, monkeypatch):
-    """The bar's total is the passes the measurement really runs (warm-up and timed, batch 1 and every
-    batch size, both KV lengths), so it ends at 100%, not short of it or past it."""
+    """The bar's total is the passes the measurement really runs (warm-up and timed, at every batch size),
+    so it ends at 100%, not short of it or past it."""
     import tqdm.auto
 
     bars = []
@@ -175,15 +174,11 @@ def test_the_progress_bar_counts_every_pass_of_the_measurement(target, monkeypat
 
     monkeypatch.setattr(tqdm.auto, "tqdm", Recorder)
     batched = TorchBackend(target, head_for(target), max_batch=4)
-    measure_cost_profile(
-        batched, kv_len=32, nodes=SMALL_LADDER, repeats=2, batch_repeats=1, max_batch=4, progress=True
-    )
-    measure_cost_profile(batched, kv_len=32, nodes=SMALL_LADDER, repeats=1, short_kv_len=0, max_batch=1)
+    measure_cost_profile(batched, kv_len=32, nodes=SMALL_LADDER, repeats=2, max_batch=4, progress=True)
+    measure_cost_profile(batched, kv_len=32, nodes=SMALL_LADDER, repeats=1, max_batch=1)
     (full, single) = bars
-    assert (
-        not full.disable and full.total == (1 + 2 + 2 * (1 + 1)) * 2 == full.n
-    )  # sizes 2, 4; two KV lengths
-    assert single.disable and single.total == 2 == single.n  # no bar unless asked; one KV length, batch 1
+    assert not full.disable and full.total == 3 * (1 + 2) == full.n  # batch sizes 1, 2, 4
+    assert single.disable and single.total == 2 == single.n  # no bar unless asked; batch 1
 
 
 def test_stale_or_corrupt_cache_is_remeasured(backend, tmp_path):
@@ -197,13 +192,18 @@ def test_stale_or_corrupt_cache_is_remeasured(backend, tmp_path):
     assert json.loads(path.read_text())["fingerprint"]["threads"] == torch.get_num_threads()
     path.write_text("{ truncated")
     again = cost_profile_for(backend, cache_dir=tmp_path, kv_len=32, nodes=SMALL_LADDER, repeats=1)
-    assert "measured now" in again.source and CostProfile.load(path).nodes == list(SMALL_LADDER)
+    assert "measured now" in again.source and CostProfile.load(path).nodes[0] == list(SMALL_LADDER)
+    data = json.loads(path.read_text())
+    data["version"] = 4  # a profile of the earlier format, cached before an upgrade: measured again
+    path.write_text(json.dumps(data))
+    again = cost_profile_for(backend, cache_dir=tmp_path, kv_len=32, nodes=SMALL_LADDER, repeats=1)
+    assert "measured now" in again.source and CostProfile.load(path).version == 5
 
 
 def test_explicit_profile_of_another_model_or_machine_is_refused(target, backend, tmp_path):
     path = tmp_path / "mine.json"
     made = cost_profile_for(backend, path, kv_len=32, nodes=SMALL_LADDER, repeats=1)  # missing: measured
-    assert path.is_file() and CostProfile.load(path).verify_s == made.verify_s
+    assert path.is_file() and CostProfile.load(path).round_s == made.round_s
     assert cost_profile_for(backend, path).source == str(path)  # matching: used as it is
     other = TorchBackend(target, head_for(target, layers=2))
     with pytest.raises(CostProfileMismatch, match="measured for another model or machine") as info:
@@ -223,65 +223,26 @@ def test_unreadable_profiles_are_one_clear_error(tmp_path):
     bad.write_text("[1, 2]")
     with pytest.raises(UserInputError, match="bad.json is not a readable cost profile"):
         CostProfile.load(bad)
-    bad.write_text(
-        json.dumps(
-            {
-                "version": 1,
-                "fingerprint": {},
-                "nodes": [2, 3],
-                "verify_s": [1, 1],
-                "build_s": [0, 0],
-                "draft_s": 0.1,
-                "kv_len": 1,
-                "repeats": 1,
-            }
-        )
-    )
+    good = {"version": 5, "fingerprint": {}, "batch_sizes": [1], "kv_len": 1, "repeats": 1}
+    bad.write_text(json.dumps(dict(good, nodes=[[2, 3]], round_s=[[1, 1]])))
     with pytest.raises(UserInputError, match="must start at N = 1"):
         CostProfile.load(bad)
-
-
-def test_a_version_2_profile_s_one_draft_time_stands_for_every_tree_size(tmp_path):
-    """Before drafts were cut to the tree's depth, a profile held one draft time (the full block's, which
-    every round then ran): it still loads, as that time at every N > 1."""
-    path = tmp_path / "v2.json"
-    path.write_text(
-        json.dumps(
-            {
-                "version": 2,
-                "fingerprint": {},
-                "nodes": [1, 2, 5],
-                "verify_s": [1.0, 1.5, 2.0],
-                "build_s": [0.0, 0.0, 0.0],
-                "draft_s": 0.25,
-                "kv_len": 1,
-                "repeats": 1,
-                "batch_sizes": [2],
-                "batch_nodes": [[1, 2]],
-                "batch_verify_s": [[2.0, 3.0]],
-                "batch_build_s": [[0.0, 0.0]],
-                "batch_draft_s": [0.5],
-            }
-        )
-    )
-    prof = CostProfile.load(path)
-    assert prof.draft_s == [0.0, 0.25, 0.25] and prof.batch_draft_s == [[0.0, 0.5]]
-    assert prof.cost(1) == pytest.approx(1.75) and prof.cost(4) == pytest.approx(2.25)
-    assert prof.cost(1, batch=2) == pytest.approx(1.75)
-    data = json.loads(path.read_text())
-    data["draft_s"] = [0.0, 0.25]  # a list must have one time per tree size
-    path.write_text(json.dumps(data))
-    with pytest.raises(UserInputError, match="one draft time per tree size"):
-        CostProfile.load(path)
+    # an earlier format (verify, build and draft timed apart) is refused in one line saying what to do
+    bad.write_text(json.dumps(dict(good, version=2, nodes=[1, 2], verify_s=[1, 1.5], draft_s=0.2)))
+    with pytest.raises(UserInputError, match="version 2, expected 5: delete it to re-measure") as info:
+        CostProfile.load(bad)
+    assert "\n" not in str(info.value)
 
 
 def test_ladder_leaves_room_in_the_context(backend):
-    from jetflow_pl.decoding.budget.cost_profile import LADDER_NODES, ladder_for
+    from jetflow_pl.decoding.budget.cost_profile import LADDER_NODES
+    from jetflow_pl.decoding.budget.measure_costs import ladder_for
 
-    # 1024 positions: the KV length is capped at half the context and the ladder must fit after it
+    # 1024 positions: the KV length is capped at half the context and the ladder must fit after it and
+    # the growth a measurement allows before it prefills again
     nodes, kv_len = ladder_for(backend, 900, LADDER_NODES)
     assert kv_len == 512
-    assert nodes[0] == 1 and max(nodes) + kv_len + len(LADDER_NODES) < backend.max_positions
+    assert nodes[0] == 1 and 2 * max(nodes) + kv_len + kv_slack(kv_len) < backend.max_positions
     assert nodes == [n for n in LADDER_NODES if n <= max(nodes)]
 
 
@@ -290,13 +251,13 @@ def test_graph_backend_is_measured_through_the_same_protocol(target):
 
     graph = TorchGraphBackend(target, head_for(target), topk=4)
     prof = quick(graph)
-    assert prof.nodes == list(SMALL_LADDER)
+    assert prof.nodes[0] == list(SMALL_LADDER)
     assert prof.fingerprint["backend"].startswith("TorchGraphBackend")
     assert prof.fingerprint["backend"] != fingerprint(TorchBackend(target, head_for(target)))["backend"]
 
 
 def test_isotonic_fit_keeps_order_and_least_squares():
-    from jetflow_pl.decoding.budget.cost_profile import isotonic
+    from jetflow_pl.decoding.budget.measure_costs import isotonic
 
     assert isotonic([1.0, 1.2, 1.5]) == [1.0, 1.2, 1.5]  # already in order: unchanged
     fit = isotonic([1.0, 2.5, 2.8, 2.5, 1.2, 3.0])
@@ -308,7 +269,7 @@ def test_isotonic_fit_keeps_order_and_least_squares():
 
 def test_measured_ratios_are_monotone_and_spread_is_recorded(backend):
     prof = measure_cost_profile(backend, kv_len=32, nodes=SMALL_LADDER, repeats=2)
-    ratios = [prof.verify_ratio(n) for n in prof.nodes]
+    ratios = [prof.cost(k) for k in prof.budgets]
     assert ratios[0] == 1.0 and all(a <= b for a, b in zip(ratios, ratios[1:], strict=False))
     assert prof.spread >= 0.0 and isinstance(prof.noisy, bool)
     assert ("NOISY" in prof.summary()) == prof.noisy
@@ -350,7 +311,7 @@ def test_fingerprint_tells_onnx_runtime_thread_pools_apart():
 
 
 class _VirtualClock:
-    """`time.perf_counter` for `cost_profile`: advances only when the backend below says a call took time."""
+    """`time.perf_counter` for the round: advances only when the backend below says a call took time."""
 
     def __init__(self) -> None:
         self.now = 0.0
@@ -382,19 +343,17 @@ class FirstRoundAfterPrefillIsSlow(TorchBackend):
 
 
 def test_the_first_round_after_a_prefill_is_not_timed(target, monkeypatch):
-    """With verify time proportional to the rows verified, every measured t(N)/t(1) must be N exactly, at
+    """With round time proportional to the rows verified, every measured t(N)/t(1) must be N exactly, at
     batch 1 and batched. Timing the first round after a prefill gave the AR half of each ascending pass's
     first pair the one-time penalty, so the smallest tree looked cheap (real SmolLM2, torch, 16 slots:
     t(B, 2)/t(B, 1) measured 1.0 where decoding rounds take 1.4-1.7): 2 / (1 + 3) = 0.5 -> clamped to 1."""
-    import jetflow_pl.decoding.budget.cost_profile as cp
+    import jetflow_pl.decoding.round as round_module
 
     clock = _VirtualClock()
-    monkeypatch.setattr(cp, "time", clock)
+    monkeypatch.setattr(round_module, "time", clock)
     backend = FirstRoundAfterPrefillIsSlow(target, head_for(target), max_batch=4, clock=clock)
     prof = measure_cost_profile(backend, kv_len=32, nodes=SMALL_LADDER, repeats=3, max_batch=4)
-    assert prof.nodes == list(SMALL_LADDER)
-    assert [v / prof.verify_s[0] for v in prof.verify_s] == pytest.approx(SMALL_LADDER, rel=1e-9)
-    assert prof.batch_sizes == [2, 4]
-    for nodes, verify in zip(prof.batch_nodes, prof.batch_verify_s, strict=True):
+    assert prof.batch_sizes == [1, 2, 4] and prof.nodes[0] == list(SMALL_LADDER)
+    for nodes, secs in zip(prof.nodes, prof.round_s, strict=True):
         assert len(nodes) >= 3  # the ladder reached past the smallest tree
-        assert [v / verify[0] for v in verify] == pytest.approx(nodes, rel=1e-9)
+        assert [v / secs[0] for v in secs] == pytest.approx(nodes, rel=1e-9)

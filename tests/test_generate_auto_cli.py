@@ -50,7 +50,7 @@ def test_auto_is_the_default_and_reports_budgets_and_predicted_speedup(tmp_path,
     assert json.loads(report.read_text())[0]["output"] == row["output"]
     # the first run measured a quick one-pass profile; --measure-costs replaces it by the full one
     quick = CostProfile.load(cached[0])
-    assert quick.quick and max(quick.nodes) <= QUICK_MAX_NODES
+    assert quick.quick and max(n for row in quick.nodes for n in row) <= QUICK_MAX_NODES
     assert generate_main([*argv, "--measure-costs", "--json", str(report)]) == 0
     assert "re-measured in full" in capsys.readouterr().err and not CostProfile.load(cached[0]).quick
     assert json.loads(report.read_text())[0]["output"] == row["output"]
@@ -59,10 +59,9 @@ def test_auto_is_the_default_and_reports_budgets_and_predicted_speedup(tmp_path,
 def test_cost_profile_of_another_model_is_refused_in_one_line(tmp_path, capsys):
     alien = CostProfile(
         fingerprint={"cpu": "Other CPU", "target": "0123", "head": "4567"},
-        nodes=[1, 2],
-        verify_s=[0.01, 0.011],
-        build_s=[0.0, 0.001],
-        draft_s=0.005,
+        batch_sizes=[1],
+        nodes=[[1, 2]],
+        round_s=[[0.01, 0.017]],
         kv_len=256,
         repeats=3,
     )
@@ -78,7 +77,7 @@ def quick_profile(tmp_path_factory) -> Path:
     """A cost profile of the CLI's own backend (same fingerprint), measured on a short ladder: the tests
     below are about acceptance profiles, not about measuring costs."""
     from jetflow_pl.checkpoints import load_draft_head
-    from jetflow_pl.decoding.budget.cost_profile import measure_cost_profile
+    from jetflow_pl.decoding.budget.measure_costs import measure_cost_profile
     from jetflow_pl.runtime.torch_backend import TorchBackend
     from jetflow_pl.target import TargetModel
 

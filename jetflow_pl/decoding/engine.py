@@ -41,10 +41,11 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from jetflow_pl.decoding.budget import AcceptanceStats
+from jetflow_pl.decoding.budget import LADDER_BUDGETS, AcceptanceStats
 from jetflow_pl.decoding.round import GenerationResult, RoundSettings, run_round
 from jetflow_pl.decoding.sampling import SamplingConfig, choose_token
 from jetflow_pl.errors import UserInputError, check_finite
@@ -53,6 +54,12 @@ from jetflow_pl.runtime.backend import BatchDecodeBackend
 __all__ = ["DecodeEngine", "EngineFull", "RequestHandle"]
 
 _TARGET_ADVICE = "a float16 overflow in the target is the usual cause; load it in bfloat16 or float32"
+
+
+class EngineSettings(RoundSettings, Protocol):
+    """What the engine reads of its generator: the round's settings and the check of a new request."""
+
+    def check_prompt(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int) -> torch.Tensor: ...
 
 
 class EngineFull(UserInputError):
@@ -147,7 +154,7 @@ class DecodeEngine:
 
     def __init__(
         self,
-        generator: RoundSettings,
+        generator: EngineSettings,
         max_batch: int | None = None,
         prefill_chunk: int | None = 256,
         max_kv_tokens: int | None = None,
@@ -226,7 +233,7 @@ class DecodeEngine:
             stops,
             None if budget is None else int(budget),
             None if sampling.greedy else sampling.make_generator(),
-            stats=AcceptanceStats(gen.acceptance.budgets),
+            stats=AcceptanceStats([k for k in LADDER_BUDGETS if k <= gen.max_budget]),
         )
         if max_new_tokens == 0:
             self._finish(live, "length")

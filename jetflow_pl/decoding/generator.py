@@ -45,8 +45,6 @@ class SpeculativeGenerator:
         `k * budget` draft tokens, re-score every node on its own path with one more head forward under
         the tree-causal mask (`backend.refine`), and verify the best `budget` of them (fixed budgets only).
 
-    `acceptance` accumulates, over every generation, the accept length each round would have had at
-    each ladder budget up to the one played (`AcceptanceStats`): the data of an acceptance profile.
     `observers` are called with every round's `RoundResult` (benchmarks record rounds this way).
     """
 
@@ -84,7 +82,6 @@ class SpeculativeGenerator:
         self.max_budget = limit
         self.budget = budget_policy.budget if isinstance(budget_policy, FixedBudget) else budget
         self.budget_policy = budget_policy
-        self.acceptance = AcceptanceStats([k for k in LADDER_BUDGETS if k <= limit])
         self.width = width
         self.policy = policy
         self.refine_factor = refine_factor
@@ -126,6 +123,15 @@ class SpeculativeGenerator:
                 f"target's context limit of {limit} positions"
             )
         return prompt
+
+    def record_acceptance(self) -> AcceptanceStats:
+        """Statistics that accumulate, from now on, the accept length each round would have had at each
+        ladder budget up to the one played: the data of an acceptance profile (`to_profile`). A refined
+        tree is a selection, not a prefix tree, so a generator with `refine_factor` records nothing."""
+        stats = AcceptanceStats([k for k in LADDER_BUDGETS if k <= self.max_budget])
+        if not self.refine_factor:
+            self.observers.append(stats.observe_round)
+        return stats
 
     def engine(self, **kwargs: Any) -> DecodeEngine:
         """A `DecodeEngine` (continuous batching) over this generator's backend and algorithm; keyword

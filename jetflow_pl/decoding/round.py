@@ -21,7 +21,8 @@ from typing import Protocol
 
 import torch
 
-from jetflow_pl.decoding.budget import AcceptanceStats, BudgetPolicy, RoundInfo, RoundObserver, RoundResult
+from jetflow_pl.decoding.budget.acceptance import AcceptanceStats
+from jetflow_pl.decoding.budget.policy import BudgetPolicy, RoundInfo, RoundObserver, RoundResult
 from jetflow_pl.decoding.sampling import SamplingConfig, processed_probs
 from jetflow_pl.errors import check_finite
 from jetflow_pl.runtime.backend import BatchDecodeBackend
@@ -86,8 +87,8 @@ class GenerationResult:
 
 
 class RoundSettings(Protocol):
-    """The algorithm a round runs (`SpeculativeGenerator` is one): budget policy, tree shape, stop ids,
-    the session's acceptance statistics and the round observers."""
+    """The algorithm a round runs (`SpeculativeGenerator` is one): budget policy, tree shape, stop ids and
+    the round observers (a session's acceptance statistics are one: `AcceptanceStats.observe_round`)."""
 
     backend: BatchDecodeBackend
     budget_policy: BudgetPolicy
@@ -96,11 +97,8 @@ class RoundSettings(Protocol):
     refine_factor: int
     score_quantum: float
     eos_ids: frozenset[int]
-    acceptance: AcceptanceStats
     observers: list[RoundObserver]
     max_budget: int
-
-    def check_prompt(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int) -> torch.Tensor: ...
 
 
 class RoundRequest(Protocol):
@@ -153,10 +151,9 @@ def run_round(settings: RoundSettings, backend: BatchDecodeBackend, requests: Se
     slots = [r.slot for r in requests]
     # what each request may still produce: a tree yields a request at most that many tokens
     left = [r.max_new_tokens - len(r.result.tokens) for r in requests]
-    # the anchor sits at `past_len`; a depth-d node at `past_len + d` must stay inside the context.
-    # The round's verify runs at the longest of them (a batch is padded to it), which prices its trees
+    # the anchor sits at `past_len`; a depth-d node at `past_len + d` must stay inside the context
     past = [backend.past_length(slot) for slot in slots]
-    shared = s.budget_policy.choose(RoundInfo([r.stats for r in requests], left, max(past)))
+    shared = s.budget_policy.choose(RoundInfo([r.stats for r in requests], left))
     budgets = [int(shared) if r.budget is None else r.budget for r in requests]
     started = time.perf_counter()
     depth = [backend.max_positions - 1 - p for p in past]
@@ -192,7 +189,6 @@ def run_round(settings: RoundSettings, backend: BatchDecodeBackend, requests: Se
         observer(outcome)
     for r, tree, accepted, token, budget in zip(requests, trees, accepted_all, nexts, budgets, strict=True):
         if not s.refine_factor:  # a refined tree is not a prefix tree (budget/acceptance.py)
-            s.acceptance.observe(accepted, tree.budget)
             r.stats.observe(accepted, tree.budget)
         res = r.result
         res.accept_lengths.append(len(accepted))

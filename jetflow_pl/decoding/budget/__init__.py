@@ -3,7 +3,8 @@
 - `policy`: the protocol the decode round speaks (`start`, `choose(RoundInfo)`, `observe(RoundResult)`)
   and `FixedBudget`;
 - `acceptance`: what trees yield (`AcceptanceStats` per round, the `AcceptanceProfile` a head ships);
-- `cost_profile`: what rounds cost on this machine (measured once, cached per machine and model);
+- `cost_profile`: what rounds cost on this machine (`CostProfile`, cached per machine and model);
+- `measure_costs`: measuring one through the decode loop's own round, and finding the one that applies;
 - `auto`: `AutoBudget`, the budget with the best expected tokens per unit of cost, AR when none pays.
 """
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from itertools import pairwise
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from jetflow_pl.decoding.budget.cost_profile import LADDER_NODES
 from jetflow_pl.errors import UserInputError
@@ -44,6 +44,16 @@ def accept_length_at(accepted: Sequence[int], budget: int) -> int:
 # --------------------------------------------------------------------------------------------------
 # acceptance: observed and prior
 # --------------------------------------------------------------------------------------------------
+
+
+class PlayedRound(Protocol):
+    """What `AcceptanceStats.observe_round` reads of a round (`policy.RoundResult` is one)."""
+
+    @property
+    def trees(self) -> Sequence[Any]: ...  # each a `DraftTree` (its `budget`)
+
+    @property
+    def accepted(self) -> Sequence[Sequence[int]]: ...
 
 
 class AcceptanceStats:
@@ -69,6 +79,11 @@ class AcceptanceStats:
             self.gain_sums[i] += length - below
             self.counts[i] += 1
             below = length
+
+    def observe_round(self, result: PlayedRound) -> None:
+        """Record every tree of one round (a `RoundObserver`: `SpeculativeGenerator.record_acceptance`)."""
+        for tree, accepted in zip(result.trees, result.accepted, strict=True):
+            self.observe(accepted, tree.budget)
 
     def fade(self, memory: int) -> None:
         """Keep at most `memory` rounds' worth per budget, older ones counting less (means unchanged)."""

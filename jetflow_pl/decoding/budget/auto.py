@@ -19,7 +19,6 @@ The rules (why, and what was measured: docs/ARCHITECTURE.md, "Choosing the budge
 - **A batch** (`RoundInfo` with B requests) shares one budget: its speed is the sum over requests of
   min(tau_i(k), tokens left_i) over B * cost(k, B), tau_i being the request's own accept lengths shrunk
   toward the session's (`request_weight`). A batch of one is exactly the batch-1 policy.
-- **The KV length** of the round (`RoundInfo.kv_len`, the longest request's) prices every cost.
 - **The clock** (`check_costs`): every round's seconds (`RoundResult.seconds`) are compared with the
   profile's, per budget and batch bucket; once `timing_samples` AR and tree rounds are timed there, a
   budget's cost is the profile's times (tree / AR observed-over-profiled ratio), only ever raised (times
@@ -37,7 +36,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from jetflow_pl.decoding.budget.acceptance import AcceptanceProfile, AcceptanceStats, accept_length_at
-from jetflow_pl.decoding.budget.cost_profile import CostProfile, batch_sizes_for, cost_profile_for
+from jetflow_pl.decoding.budget.cost_profile import CostProfile
+from jetflow_pl.decoding.budget.measure_costs import batch_sizes_for, cost_profile_for
 from jetflow_pl.decoding.budget.policy import RoundInfo, RoundResult
 from jetflow_pl.runtime.backend import DecodeBackend, max_budget
 from jetflow_pl.tree import DraftTree
@@ -142,8 +142,6 @@ class AutoBudget:
         self._batch: Sequence[AcceptanceStats] | None = None
         # the tokens each request of the next round may still produce (`RoundInfo.remaining`; None: unbounded)
         self._remaining: list[int] | None = None
-        # the KV length the next round runs at (`RoundInfo.kv_len`; None: the profile's own)
-        self._kv_len: int | None = None
         if prior_weight < 0 or probe_rounds < 0 or probe_cost < 1 or explore_every < 1 or probe_every < 1:
             raise ValueError("prior_weight, probe_rounds >= 0; probe_cost, explore_every, probe_every >= 1")
         if not 0 <= explore_margin < 1 or min_gain < 1:
@@ -271,7 +269,7 @@ class AutoBudget:
         cheaper with nothing cheaper about them (a burst of slow AR rounds once sent `auto` to 0.73x AR;
         docs/ARCHITECTURE.md, "Choosing the budget")."""
         assert self.cost is not None, "call start(backend) first"
-        profiled = self.cost.cost(budget, batch, self._kv_len)
+        profiled = self.cost.cost(budget, batch)
         if budget == 0 or not self.check_costs:
             return profiled
         bucket = self._bucket(batch)
@@ -292,7 +290,9 @@ class AutoBudget:
             return 1
         sizes = self.cost.batch_sizes
         i = bisect_left(sizes, b)
-        return sizes[i] if i < len(sizes) else (sizes[-1] if sizes else b)
+        if i < len(sizes):
+            return sizes[i]
+        return sizes[-1] if sizes[-1] > 1 else b  # batch 1 alone measured: each size its own bucket
 
     def _fresh(self, bucket: int, budget: int | None) -> list[float]:
         """Unexpired observed/profiled seconds in `bucket` at `budget` (None: every budget > 0)."""
@@ -340,7 +340,7 @@ class AutoBudget:
         b = max(1, int(batch))
         if budget != 0 and budget not in self.candidates_at(b):
             return
-        profiled = self.cost.cost(budget, b, self._kv_len) * self.cost.ar_seconds(b, self._kv_len)
+        profiled = self.cost.cost(budget, b) * self.cost.ar_seconds(b)
         key = (self._bucket(b), int(budget))
         self._record(self._times, self._timed_at, key, float(seconds) / profiled)
         if budget == 0 and self._checking is not None:
@@ -439,14 +439,11 @@ class AutoBudget:
 
     # ---- the policy -------------------------------------------------------------------------------
     def choose(self, info: RoundInfo) -> int:
-        """The shared budget of one round of `info.requests` (each one's acceptance so far), priced at
-        `info.kv_len` and counting at most `info.remaining` tokens per request (module doc). The KV length
-        and the bounds hold until the round is observed: a round's cost ratio depends on the length (an AR
-        step pays the attention over the cache once, a tree of N nodes N times)."""
+        """The shared budget of one round of `info.requests` (each one's acceptance so far), counting at
+        most `info.remaining` tokens per request (module doc); the bounds hold until the round is observed."""
         if self.cost is None:
             raise RuntimeError("AutoBudget.choose() before start(backend)")
         self._remaining = None if info.remaining is None else [max(1, int(r)) for r in info.remaining]
-        self._kv_len = None if info.kv_len is None else max(1, int(info.kv_len))
         self._explored_from = None
         self._probing = False
         self._checking = None
@@ -584,7 +581,6 @@ class AutoBudget:
         self._round += 1
         self._session_round += 1
         self._remaining = None
-        self._kv_len = None
 
     def _round_speeds(
         self, trees: list[DraftTree], accepted: list[Sequence[int]], batch: int = 1

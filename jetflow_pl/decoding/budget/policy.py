@@ -2,7 +2,7 @@
 
 Per generation (or per engine) the round calls `start(backend, max_batch)` once, then per round
 `choose(RoundInfo) -> budget` before drafting and `observe(RoundResult)` after committing. Nothing else:
-a policy that needs the KV length, the tokens left or the round's wall time reads them from these two
+a policy that needs the tokens left or the round's wall time reads them from these two
 records, so the loop never asks a policy what it supports. A batch of one is the batch case (`RoundInfo`
 with one request). Round observers (benchmarks, logs) get the same `RoundResult`.
 """
@@ -33,12 +33,10 @@ class RoundInfo:
         batch of one.
     remaining: the tokens each request may still produce (None: no bound); a tree yields a request at
         most that many.
-    kv_len: the longest KV length among the requests (a padded batch's verify runs at it); None: unknown.
     """
 
     requests: Sequence[AcceptanceStats] = field(default_factory=_one_request)
     remaining: Sequence[int] | None = None
-    kv_len: int | None = None
 
     @property
     def batch(self) -> int:
