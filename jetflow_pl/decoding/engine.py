@@ -49,7 +49,7 @@ from jetflow_pl.decoding.budget import LADDER_BUDGETS, AcceptanceStats
 from jetflow_pl.decoding.round import GenerationResult, RoundSettings, run_round
 from jetflow_pl.decoding.sampling import SamplingConfig, choose_token
 from jetflow_pl.errors import UserInputError, check_finite
-from jetflow_pl.runtime.backend import BatchDecodeBackend
+from jetflow_pl.runtime.backend import DecodeBackend
 
 __all__ = ["DecodeEngine", "EngineFull", "RequestHandle"]
 
@@ -159,10 +159,10 @@ class DecodeEngine:
         prefill_chunk: int | None = 256,
         max_kv_tokens: int | None = None,
         max_queue: int | None = None,
-        backend: BatchDecodeBackend | None = None,
+        backend: DecodeBackend | None = None,
     ) -> None:
         self.generator = generator
-        self.backend: BatchDecodeBackend = generator.backend if backend is None else backend
+        self.backend: DecodeBackend = generator.backend if backend is None else backend
         limit = int(self.backend.max_batch)
         if max_batch is None:
             max_batch = limit

@@ -25,7 +25,7 @@ from jetflow_pl.decoding.budget.acceptance import AcceptanceStats
 from jetflow_pl.decoding.budget.policy import BudgetPolicy, RoundInfo, RoundObserver, RoundResult
 from jetflow_pl.decoding.sampling import SamplingConfig, processed_probs
 from jetflow_pl.errors import check_finite
-from jetflow_pl.runtime.backend import BatchDecodeBackend
+from jetflow_pl.runtime.backend import DecodeBackend
 from jetflow_pl.tree import (
     DraftTree,
     FanoutPolicy,
@@ -90,7 +90,7 @@ class RoundSettings(Protocol):
     """The algorithm a round runs (`SpeculativeGenerator` is one): budget policy, tree shape, stop ids and
     the round observers (a session's acceptance statistics are one: `AcceptanceStats.observe_round`)."""
 
-    backend: BatchDecodeBackend
+    backend: DecodeBackend
     budget_policy: BudgetPolicy
     width: int
     policy: FanoutPolicy | None
@@ -117,7 +117,7 @@ class RoundRequest(Protocol):
 
 def draft_tree(
     settings: RoundSettings,
-    backend: BatchDecodeBackend,
+    backend: DecodeBackend,
     depth_logprobs: torch.Tensor,
     anchor: int,
     budget: int,
@@ -144,7 +144,7 @@ def draft_tree(
 
 
 @torch.no_grad()
-def run_round(settings: RoundSettings, backend: BatchDecodeBackend, requests: Sequence[RoundRequest]) -> None:
+def run_round(settings: RoundSettings, backend: DecodeBackend, requests: Sequence[RoundRequest]) -> None:
     """One round for every request of the decoding batch (see the module docstring). Appends the round's
     tokens to each request's result and sets `finish_reason` where one finished."""
     s = settings

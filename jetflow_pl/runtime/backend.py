@@ -1,14 +1,13 @@
-"""The small protocols every decode backend implements (torch, torch-graph, ONNX Runtime, TensorRT).
+"""The one protocol every decode backend implements (torch, torch-graph, ONNX Runtime, TensorRT).
 
 The decode loop (`jetflow_pl.decoding`) owns the algorithm (tree building, acceptance, budget, stopping);
-a backend owns the compute and the caches. One round is: `draft(anchor)` -> per-depth log-probs,
-`verify(tree)` -> target logits per node, `commit(accepted)` -> keep root + accepted rows of the target KV
-cache and hand their tapped features to the head as new context. `DecodeBackend` is that round for one
-sequence; `BatchDecodeBackend` is the same round for a batch of requests, each in its own slot with its
-own tree, KV length and acceptance (one head forward and one verify forward for all of them). Every
-backend in this package implements both through one bookkeeping class (`sequence.SequenceBackend`: the
-batch-1 calls are slot 0 of the batched ones); the helpers below read what a backend states about
-itself, so the loop and the cost profile ask the same questions the same way.
+a backend owns the compute and the caches. Requests live in slots (`max_batch` of them), each with its own
+KV cache, tree and acceptance; one round over the decoding batch is `draft_batch` (ONE head forward) ->
+per-depth log-probs per request, `verify_batch` (ONE target forward) -> target logits per tree node,
+`commit_batch` -> keep each request's root + accepted rows and hand their tapped features to the head as
+new context. A batch of one is slot 0: there is no separate single-sequence protocol. Every backend in this
+package implements it through one bookkeeping class (`sequence.SequenceBackend`); the helpers below read
+what a backend states about itself, so the loop and the cost profile ask the same questions the same way.
 """
 
 from __future__ import annotations
@@ -30,7 +29,9 @@ DEFAULT_MAX_BATCH = 64
 
 @runtime_checkable
 class DecodeBackend(Protocol):
-    """Compute for one sequence (batch 1) of speculative or autoregressive decoding."""
+    """Compute for the requests decoding together, one slot each (`max_batch` slots; a batch of one is
+    slot 0). `slots` in `draft_batch` / `verify_batch` / `commit_batch` is the whole decoding batch (every
+    prefilled slot not released), in any order; results follow that order."""
 
     @property
     def block_size(self) -> int:
@@ -38,50 +39,9 @@ class DecodeBackend(Protocol):
         ...
 
     @property
-    def past_len(self) -> int:
-        """Positions held in the target KV cache (committed tokens, excluding the pending anchor)."""
-        ...
-
-    @property
     def max_positions(self) -> int:
         """The target's context limit."""
         ...
-
-    def prefill(self, prompt_ids: torch.Tensor) -> torch.Tensor:
-        """Reset all state, run the prompt `[T]` through the target; return the last position's logits `[V]`."""
-        ...
-
-    def draft(self, anchor_token: int, depths: int | None = None) -> torch.Tensor:
-        """One head forward on `[anchor, MASK...]` at `past_len`; return log-probs `[D, V]` of depths 1..D:
-        D = B-1, or at least `depths` of them when the caller needs no more (a causal head drafts depth
-        d from the block's first d+1 rows alone, so the block can be cut there: `SequenceBackend`)."""
-        ...
-
-    def verify(self, tree: DraftTree) -> torch.Tensor:
-        """One target forward over every tree node under the tree-causal mask; return logits `[N, V]`."""
-        ...
-
-    def refine(self, tree: DraftTree) -> torch.Tensor:
-        """Optional (branch-conditioned refinement): one head forward over the tree under the tree-causal
-        mask; return log-probs `[N, V]` of each node's children given the node's actual path."""
-        ...
-
-    def commit(self, accepted: list[int]) -> None:
-        """Keep the KV rows of the accepted root path (node ids, root first); queue their taps for the head."""
-        ...
-
-
-@runtime_checkable
-class BatchDecodeBackend(Protocol):
-    """Compute for a batch of requests, one slot each (`max_batch` slots): the round of `DecodeBackend`
-    over the decoding batch. `slots` in `draft_batch` / `verify_batch` / `commit_batch` is the whole
-    decoding batch (every prefilled slot not released), in any order; results follow that order."""
-
-    @property
-    def block_size(self) -> int: ...
-
-    @property
-    def max_positions(self) -> int: ...
 
     @property
     def max_batch(self) -> int:
@@ -103,7 +63,10 @@ class BatchDecodeBackend(Protocol):
     def draft_batch(
         self, slots: Sequence[int], anchors: Sequence[int], depths: int | None = None
     ) -> list[torch.Tensor]:
-        """ONE head forward: per-depth log-probs `[D, V]` per request (`depths`: as `draft`)."""
+        """ONE head forward on each request's `[anchor, MASK...]` at its KV length: per-depth log-probs
+        `[D, V]` of depths 1..D per request, D = B-1, or at least `depths` of them when the caller needs
+        no more (a causal head drafts depth d from the block's first d+1 rows alone, so the block can be
+        cut there: `SequenceBackend`)."""
         ...
 
     def verify_batch(self, slots: Sequence[int], trees: Sequence[DraftTree]) -> list[torch.Tensor]:
@@ -116,6 +79,11 @@ class BatchDecodeBackend(Protocol):
 
     def release(self, slot: int) -> None:
         """Free `slot`'s KV rows now (the request finished or was cancelled)."""
+        ...
+
+    def refine(self, tree: DraftTree) -> torch.Tensor:
+        """Optional (branch-conditioned refinement, slot 0): one head forward over the tree under the
+        tree-causal mask; return log-probs `[N, V]` of each node's children given the node's own path."""
         ...
 
 

@@ -1,8 +1,8 @@
 """`SequenceBackend`: the one KV/tap bookkeeping of every decode backend (torch, graphs, ONNX Runtime,
 TensorRT), for one sequence or a batch of them; subclasses only run the two forwards.
 
-A round is the same on every runtime, for one request (`backend.DecodeBackend`, slot 0) or for the
-decoding batch (`backend.BatchDecodeBackend`: the same calls over a list of slots):
+A round is the same on every runtime and every batch size (`backend.DecodeBackend`: calls over the list
+of slots decoding together; one request is slot 0):
 
 * `prefill(prompt, slot)`: reset the slot, run the prompt through the target as a chain (in chunks of
   `max_prefill_rows` where a runtime's profile bounds the rows per forward; `extend` is one chunk, so a
@@ -499,7 +499,7 @@ class SequenceBackend:
                 if taps is not None:
                     self._queue(s, taps.index_select(1, keep_of[s].to(taps.device)), past[s])
 
-    # ------------------------------------------------------------------ the batch-1 protocol (slot 0)
+    # ------------------------------------------ slot 0 alone: conveniences over the protocol (tests, notebooks)
     def draft(self, anchor_token: int, depths: int | None = None) -> Tensor:
         """One head forward on `[anchor, MASK...]` at `past_len`; return log-probs `[D, V]` (`draft_batch`)."""
         return self.draft_batch([0], [anchor_token], depths)[0]
