@@ -7,6 +7,9 @@ file beside the target, are flushed to disk, and replace the target in one renam
 old file or the new one, never a prefix of the new one, and a killed writer leaves only a
 `.tmp-PID-NAME` file that `stale_temporaries` finds.
 
+What one of them wrote is read back with `read_versioned_json`: the file's format version checked, and
+anything wrong with it one `UserInputError` that names the file.
+
 A cache is keyed by `json_digest(fingerprint)`: the SHA-256 of the fingerprint as canonical JSON
 (sorted keys), so the same inputs always name the same entry and any change names a new one.
 """
@@ -16,9 +19,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from jetflow_pl.errors import UserInputError
 
 __all__ = [
     "atomic_write_bytes",
@@ -26,8 +31,11 @@ __all__ = [
     "atomic_write_text",
     "fsync_dir",
     "json_digest",
+    "read_versioned_json",
     "stale_temporaries",
 ]
+
+T = TypeVar("T")
 
 _TMP_PREFIX = ".tmp-"
 
@@ -85,3 +93,25 @@ def json_digest(obj: Any, length: int | None = None) -> str:
     `length` characters when given: the name of a cache entry made from `obj`."""
     digest = hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
     return digest if length is None else digest[:length]
+
+
+def read_versioned_json(
+    path: str | Path, what: str, version: int, make: Callable[..., T], stale: str = ""
+) -> T:
+    """`make(**data)` from the JSON object in `path`, written in format `version`, or one `UserInputError`
+    naming the file and `what` it should be: missing, not JSON, not an object, another version (`stale`:
+    what to do about that, appended), or fields `make` refuses (its own message)."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserInputError(f"{what} {path} does not exist")
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise TypeError("not a JSON object")
+        if data.get("version") != version:
+            raise ValueError(f"version {data.get('version')!r}, expected {version}{stale}")
+        return make(**data)
+    except UserInputError as err:
+        raise UserInputError(f"{what} {path}: {err}") from err
+    except (OSError, ValueError, TypeError) as err:
+        raise UserInputError(f"{what} {path} is not readable ({err})") from err

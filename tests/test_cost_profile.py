@@ -221,7 +221,7 @@ def test_explicit_profile_of_another_model_or_machine_is_refused(target, backend
 def test_unreadable_profiles_are_one_clear_error(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("[1, 2]")
-    with pytest.raises(UserInputError, match="bad.json is not a readable cost profile"):
+    with pytest.raises(UserInputError, match="bad.json is not readable"):
         CostProfile.load(bad)
     good = {"version": 5, "fingerprint": {}, "batch_sizes": [1], "kv_len": 1, "repeats": 1}
     bad.write_text(json.dumps(dict(good, nodes=[[2, 3]], round_s=[[1, 1]])))

@@ -15,7 +15,6 @@ It does not hold for branch-conditioned refinement (a refined tree is a selectio
 
 from __future__ import annotations
 
-import json
 import math
 from bisect import bisect_right
 from collections.abc import Sequence
@@ -26,7 +25,7 @@ from typing import Any, Protocol
 
 from jetflow_pl.decoding.budget.cost_profile import LADDER_NODES
 from jetflow_pl.errors import UserInputError
-from jetflow_pl.files import atomic_write_text
+from jetflow_pl.files import atomic_write_json, read_versioned_json
 
 #: the budgets `auto` chooses among (capped by the backend and the cost profile): 0, 1, 2, 4, ..., 256
 LADDER_BUDGETS = tuple(n - 1 for n in LADDER_NODES)
@@ -172,23 +171,11 @@ class AcceptanceProfile:
         return d
 
     def save(self, path: str | Path) -> Path:
-        return atomic_write_text(path, json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        return atomic_write_json(path, self.to_dict(), sort_keys=True)
 
     @classmethod
     def load(cls, path: str | Path) -> AcceptanceProfile:
-        path = Path(path)
-        if not path.is_file():
-            raise UserInputError(f"acceptance profile {path} does not exist")
-        try:
-            data = json.loads(path.read_text())
-            if not isinstance(data, dict):
-                raise TypeError("not a JSON object")
-            if data.get("version") != ACCEPTANCE_PROFILE_VERSION:
-                raise ValueError(f"version {data.get('version')!r}, expected {ACCEPTANCE_PROFILE_VERSION}")
-            prof = cls(**data)
-        except UserInputError as err:
-            raise UserInputError(f"acceptance profile {path}: {err}") from err
-        except (OSError, ValueError, TypeError) as err:
-            raise UserInputError(f"acceptance profile {path} is not readable ({err})") from err
+        """Read a profile written by `save`; anything else is one `UserInputError` naming the file."""
+        prof = read_versioned_json(path, "acceptance profile", ACCEPTANCE_PROFILE_VERSION, cls)
         prof.source = str(path)
         return prof

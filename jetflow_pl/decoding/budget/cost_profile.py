@@ -22,7 +22,6 @@ a forward depends on shapes, not on weight values.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 from bisect import bisect_left
@@ -34,7 +33,7 @@ from typing import Any
 import torch
 
 from jetflow_pl.errors import UserInputError
-from jetflow_pl.files import atomic_write_text, json_digest
+from jetflow_pl.files import atomic_write_json, json_digest, read_versioned_json
 from jetflow_pl.runtime.backend import DecodeBackend
 
 #: tree sizes N (nodes, root included) whose round cost is measured: budgets 0, 1, 2, 4, ..., 256
@@ -300,26 +299,13 @@ class CostProfile:
         return d
 
     def save(self, path: str | Path) -> Path:
-        """Write as JSON atomically (`files.atomic_write_text`): a reader never sees half a profile."""
-        return atomic_write_text(path, json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        """Write as JSON atomically (`files.atomic_write_json`): a reader never sees half a profile."""
+        return atomic_write_json(path, self.to_dict(), sort_keys=True)
 
     @classmethod
     def load(cls, path: str | Path) -> CostProfile:
         """Read a profile written by `save`; anything else is one `UserInputError` naming the file."""
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-            if not isinstance(data, dict):
-                raise TypeError("not a JSON object")
-            if data.get("version") != PROFILE_VERSION:
-                raise ValueError(
-                    f"version {data.get('version')!r}, expected {PROFILE_VERSION}: delete it to re-measure"
-                )
-            prof = cls(**data)
-        except UserInputError as err:
-            raise UserInputError(f"cost profile {path}: {err}") from err
-        except (OSError, ValueError, TypeError) as err:
-            raise UserInputError(f"cost profile {path} is not a readable cost profile ({err})") from err
+        prof = read_versioned_json(path, "cost profile", PROFILE_VERSION, cls, ": delete it to re-measure")
         prof.source = str(path)
         return prof
 
