@@ -88,9 +88,9 @@ class _Settings:
     refine_factor: int = 0
     score_quantum: float = SCORE_QUANTUM
     eos_ids: frozenset[int] = frozenset()
-    observers: list[Callable[[RoundResult], None]] = field(default_factory=list)
-    max_budget: int = 0
-    seconds: float = 0.0
+    observers: list[Callable[[RoundResult], None]] = field(init=False)
+    max_budget: int = field(init=False)
+    seconds: float = field(init=False, default=0.0)
 
     def __post_init__(self) -> None:
         self.observers = [self._timed]
