@@ -20,8 +20,9 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from jetflow_pl.errors import UserInputError
 
@@ -33,6 +34,7 @@ __all__ = [
     "json_digest",
     "read_versioned_json",
     "stale_temporaries",
+    "VersionedJsonFile",
 ]
 
 T = TypeVar("T")
@@ -115,3 +117,30 @@ def read_versioned_json(
         raise UserInputError(f"{what} {path}: {err}") from err
     except (OSError, ValueError, TypeError) as err:
         raise UserInputError(f"{what} {path} is not readable ({err})") from err
+
+
+class VersionedJsonFile:
+    """A dataclass kept as one JSON object of format `FILE_VERSION` (its `version` field): `save` writes it
+    atomically, `load` reads it back through `read_versioned_json` and sets its `source` field (left out of
+    the file) to the path it came from. Subclasses name `FILE_KIND` (the error messages' word for it),
+    `FILE_VERSION` and, optionally, `FILE_STALE` (what to do about another version)."""
+
+    FILE_KIND: ClassVar[str]
+    FILE_VERSION: ClassVar[int]
+    FILE_STALE: ClassVar[str] = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)  # type: ignore[call-overload]  (subclasses are dataclasses)
+        d.pop("source")
+        return d
+
+    def save(self, path: str | Path) -> Path:
+        """Write as JSON atomically: a reader never sees half a file."""
+        return atomic_write_json(path, self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def load(cls: type[T], path: str | Path) -> T:
+        """Read a file written by `save`; anything else is one `UserInputError` naming the file."""
+        obj = read_versioned_json(path, cls.FILE_KIND, cls.FILE_VERSION, cls, cls.FILE_STALE)  # type: ignore[attr-defined]
+        obj.source = str(path)  # type: ignore[attr-defined]
+        return obj

@@ -18,14 +18,13 @@ from __future__ import annotations
 import math
 from bisect import bisect_right
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from itertools import pairwise
-from pathlib import Path
 from typing import Any, Protocol
 
 from jetflow_pl.decoding.budget.cost_profile import LADDER_NODES
 from jetflow_pl.errors import UserInputError
-from jetflow_pl.files import atomic_write_json, read_versioned_json
+from jetflow_pl.files import VersionedJsonFile
 
 #: the budgets `auto` chooses among (capped by the backend and the cost profile): 0, 1, 2, 4, ..., 256
 LADDER_BUDGETS = tuple(n - 1 for n in LADDER_NODES)
@@ -132,12 +131,15 @@ class AcceptanceStats:
 
 
 @dataclass
-class AcceptanceProfile:
+class AcceptanceProfile(VersionedJsonFile):
     """Expected tokens per round tau(k) of a head at a few budgets k (the prior of `AutoBudget`).
 
     `at(k)` between measured budgets is the value at the largest measured budget <= k: tau is
     non-decreasing in k, so that is a lower bound and never makes an unmeasured budget look better.
     """
+
+    FILE_KIND = "acceptance profile"
+    FILE_VERSION = ACCEPTANCE_PROFILE_VERSION
 
     budgets: list[int]
     tau: list[float]
@@ -164,18 +166,3 @@ class AcceptanceProfile:
     def rounds_at(self, budget: int) -> int:
         i = bisect_right(self.budgets, budget) - 1
         return 0 if i < 0 else int(self.rounds[i])
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("source")
-        return d
-
-    def save(self, path: str | Path) -> Path:
-        return atomic_write_json(path, self.to_dict(), sort_keys=True)
-
-    @classmethod
-    def load(cls, path: str | Path) -> AcceptanceProfile:
-        """Read a profile written by `save`; anything else is one `UserInputError` naming the file."""
-        prof = read_versioned_json(path, "acceptance profile", ACCEPTANCE_PROFILE_VERSION, cls)
-        prof.source = str(path)
-        return prof

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import platform
 from bisect import bisect_left
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from jetflow_pl.errors import UserInputError
-from jetflow_pl.files import atomic_write_json, json_digest, read_versioned_json
+from jetflow_pl.files import VersionedJsonFile, json_digest
 from jetflow_pl.runtime.backend import DecodeBackend
 
 #: tree sizes N (nodes, root included) whose round cost is measured: budgets 0, 1, 2, 4, ..., 256
@@ -164,7 +164,7 @@ def fingerprint(backend: DecodeBackend) -> dict[str, Any]:
 
 
 @dataclass
-class CostProfile:
+class CostProfile(VersionedJsonFile):
     """Measured round costs of one backend on one machine (`measure_costs.measure_cost_profile`).
 
     batch_sizes: the measured batch sizes, increasing, the first 1. Per batch size: `nodes`, its tree
@@ -173,6 +173,10 @@ class CostProfile:
     fastest seen and the others that times the median of paired ratios. `cost(k, B)` is the ratio the
     budget chooser uses.
     """
+
+    FILE_KIND = "cost profile"
+    FILE_VERSION = PROFILE_VERSION
+    FILE_STALE = ": delete it to re-measure"
 
     fingerprint: dict[str, Any]
     batch_sizes: list[int]
@@ -291,23 +295,6 @@ class CostProfile:
         """Fingerprint keys whose values differ from `other` (empty: this profile applies)."""
         keys = sorted(set(self.fingerprint) | set(other))
         return [k for k in keys if self.fingerprint.get(k) != other.get(k)]
-
-    # ---- files ------------------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d.pop("source")
-        return d
-
-    def save(self, path: str | Path) -> Path:
-        """Write as JSON atomically (`files.atomic_write_json`): a reader never sees half a profile."""
-        return atomic_write_json(path, self.to_dict(), sort_keys=True)
-
-    @classmethod
-    def load(cls, path: str | Path) -> CostProfile:
-        """Read a profile written by `save`; anything else is one `UserInputError` naming the file."""
-        prof = read_versioned_json(path, "cost profile", PROFILE_VERSION, cls, ": delete it to re-measure")
-        prof.source = str(path)
-        return prof
 
 
 # --------------------------------------------------------------------------------------------------
