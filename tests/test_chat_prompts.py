@@ -151,6 +151,23 @@ def test_callback_reads_chats_from_a_datasets_folder_and_limits_rows(toy_tok, tm
 
 
 @needs_small
+def test_callback_takes_the_first_rows_of_each_listed_source(toy_tok, tmp_path):
+    # a head selected on math and code must see both: num_prompts applies per source, in list order
+    cb = AcceptanceLengthCallback(
+        prompts_file=[str(DEFAULT_DIR / "math.jsonl"), str(DEFAULT_DIR / "code.jsonl")], num_prompts=2
+    )
+    got = cb._load_prompts(fake_module(SMALL))
+    expected = [toy_prompt_ids(toy_tok, r["prompt"]) for r in heldout_prompts("math", 2, 0)]
+    expected += [toy_prompt_ids(toy_tok, r["prompt"]) for r in heldout_prompts("code", 2, 0)]
+    assert got == expected
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    cb = AcceptanceLengthCallback(prompts_file=[str(DEFAULT_DIR / "math.jsonl"), str(empty)])
+    with pytest.raises(UserInputError, match="empty.jsonl"):
+        cb._load_prompts(fake_module(SMALL))
+
+
+@needs_small
 def test_callback_errors_are_one_line(templateless, tmp_path):
     with pytest.raises(UserInputError, match="exactly one of prompts_file"):
         AcceptanceLengthCallback()

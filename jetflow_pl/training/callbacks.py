@@ -99,7 +99,8 @@ class AcceptanceLengthCallback(Callback):
     The prompts come from a file, so any tokenizer works (the target's own, with its chat template):
     `prompts_file` is a `.jsonl` / `.json` / `.parquet` / `.arrow` / `.csv` file or a `datasets` folder
     whose rows carry `prompt_field` (a string) or `messages_field` (a chat), or a named prompt set
-    (`jetflow_pl.prompt_sets`, e.g. `sharegpt:val:8`: each conversation's first turn); each is
+    (`jetflow_pl.prompt_sets`, e.g. `sharegpt:val:8`: each conversation's first turn), or a list of
+    those (a head that must draft several domains is selected on all of them: tau pooled); each is
     chat-formatted with the target tokenizer (`jetflow_pl.chat`), or tokenized raw with
     `chat_template: false`. The toy held-out sets ship as `data_gen/toy/assets/heldout_prompts/<domain>.jsonl`.
 
@@ -115,8 +116,8 @@ class AcceptanceLengthCallback(Callback):
             Default: the largest of `budgets`, or 64 without them.
         budgets: the budgets of the tau curve (distinct, >= 1; None = the main budget alone).
         width: the tree's fan-out (the same at every budget).
-        prompts_file: the held-out prompts (see above).
-        num_prompts: use the first `num_prompts` rows (None = all).
+        prompts_file: the held-out prompts (see above): one source or a list of them.
+        num_prompts: use the first `num_prompts` rows of each source (None = all).
         max_new_tokens: tokens generated per prompt.
         tokenizer_path: tokenizer folder (default: the module's `target_path`).
         chat_template: format prompts with the tokenizer's chat template (default) or tokenize them raw.
@@ -132,7 +133,7 @@ class AcceptanceLengthCallback(Callback):
         budget: int | None = None,
         width: int = 4,
         budgets: list[int] | None = None,
-        prompts_file: str | None = None,
+        prompts_file: str | list[str] | None = None,
         num_prompts: int | None = None,
         max_new_tokens: int = 128,
         tokenizer_path: str | None = None,
@@ -214,9 +215,13 @@ class AcceptanceLengthCallback(Callback):
         from jetflow_pl.chat import encode_prompt, row_conversation
         from jetflow_pl.prompt_sets import load_prompt_rows
 
-        rows = load_prompt_rows(self.prompts_file, self.split)[0][: self.num_prompts]
-        if not rows:
-            raise UserInputError(f"AcceptanceLengthCallback: prompts_file {self.prompts_file} holds no rows")
+        sources = [self.prompts_file] if isinstance(self.prompts_file, str | Path) else self.prompts_file
+        rows: list[tuple[str, dict]] = []
+        for source in sources:
+            picked = load_prompt_rows(source, self.split)[0][: self.num_prompts]
+            if not picked:
+                raise UserInputError(f"AcceptanceLengthCallback: prompts_file {source} holds no rows")
+            rows.extend((f"{source} row {i}", row) for i, row in enumerate(picked))
         path = self.tokenizer_path or pl_module.hparams.target_path
         try:
             tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
@@ -225,8 +230,7 @@ class AcceptanceLengthCallback(Callback):
                 f"AcceptanceLengthCallback: cannot load a tokenizer from {path}: {err}"
             ) from err
         prompts = []
-        for i, row in enumerate(rows):
-            where = f"{self.prompts_file} row {i}"
+        for where, row in rows:
             msgs = row_conversation(row, where, self.prompt_field, self.messages_field)[0]
             if self.chat_template:
                 prompts.append(encode_prompt(tok, msgs, chat=True))
