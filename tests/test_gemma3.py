@@ -220,6 +220,20 @@ def test_forced_deep_acceptance_fails_when_the_window_is_ignored(gemma, monkeypa
     assert [_forced_decode(backend, p, r) for p, r in zip(prompts, refs, strict=True)] != refs
 
 
+def test_left_padded_regeneration_past_the_window_equals_each_prompt_alone(gemma):
+    """Regeneration batches prompts left-padded: a row's KV index is its position plus its padding, so a
+    window taken over KV indices instead of positions (or a rolling cache under the padding) would change
+    what the target writes into the training data. Pads of 0, 9 and 15 rows here, window 8."""
+    from data_gen.regenerate.module import batched_generate
+
+    target, _, prompts, refs = gemma
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    tokens, reasons = batched_generate(target, ids, mask, max_new_tokens=NEW_TOKENS, stop_ids=[])
+    assert tokens == refs and reasons == ["length"] * len(prompts)
+
+
 @pytest.mark.parametrize("kind", ["torch", "batched-graphs", "onnxruntime-batched"])
 def test_a_batch_of_two_requests_decodes_each_as_alone(gemma, gemma_dir, tmp_path, kind):
     """Two requests in one verify (different KV lengths, one past the window, one not yet), with 3-deep
