@@ -27,6 +27,7 @@ from bench.draft_gemm import median_ms
 from jetflow_pl.chat import encode_prompt
 from jetflow_pl.checkpoints import load_draft_head
 from jetflow_pl.decoding import ARGenerator, SpeculativeGenerator
+from jetflow_pl.decoding.budget import ACCEPTANCE_PROFILE_FILE, AcceptanceProfile, AutoBudget
 from jetflow_pl.generate_cli import hf_decode_tokens_per_s
 from jetflow_pl.prompt_files import load_local_rows
 from jetflow_pl.runtime.loader import load_backend
@@ -73,12 +74,14 @@ def heldout(tokenizer, domain: str, first: int, n: int) -> list[list[int]]:
     return [encode_prompt(tokenizer, r["prompt"], chat=False) for r in rows]
 
 
-def decode(backend, hf, prompts: dict, budgets: list, max_new: int, repeats: int, eos) -> dict:
-    """Per domain: tau, tokens/s and per-prompt ratios vs own AR (and HF), every output checked."""
+def decode(backend, hf, prompts: dict, budgets: list, max_new: int, repeats: int, eos, prior=None) -> dict:
+    """Per domain: tau, tokens/s and per-prompt ratios vs own AR (and HF), every output checked;
+    `auto` starts from the acceptance `prior` (None: it probes first)."""
     labels = ["ar", *[f"b{b}" for b in budgets]]
     gens = {"ar": ARGenerator(backend, eos_token_id=eos)}
     for b in budgets:
-        gens[f"b{b}"] = SpeculativeGenerator(backend, budget=b, width=4, eos_token_id=eos)
+        policy = AutoBudget(prior=prior) if b == "auto" else b
+        gens[f"b{b}"] = SpeculativeGenerator(backend, budget=policy, width=4, eos_token_id=eos)
     for g in gens.values():  # first-call allocations and `auto`'s cost profile, off the clock
         g.generate(prompts[next(iter(prompts))][0], 8)
     out = {}
@@ -152,21 +155,24 @@ def main(argv: list[str] | None = None) -> dict:
     eos = tokenizer.eos_token_id
     prompts = {d: heldout(tokenizer, d, args.first, args.n_prompts) for d in ("math", "code")}
     budgets = [16, 64, "auto"]
+    prior_file = args.head / ACCEPTANCE_PROFILE_FILE
+    prior = AcceptanceProfile.load(prior_file) if prior_file.is_file() else None
     result = {
         "machine": {"platform": platform.platform(), "threads": torch.get_num_threads()},
         "settings": {k: str(v) for k, v in vars(args).items()},
+        "auto_prior": str(prior_file) if prior is not None else None,
     }
     torch_backend = TorchBackend(target, head.eval())
     # the cost curve first, on the same backends the decodes use (each prefill starts a slot afresh)
     result["verify_cost"] = {"torch": verify_cost(torch_backend, target, args.cost_repeats)}
     result["decode"] = {
-        "torch": decode(torch_backend, hf, prompts, budgets, args.max_new_tokens, args.repeats, eos)
+        "torch": decode(torch_backend, hf, prompts, budgets, args.max_new_tokens, args.repeats, eos, prior)
     }
     if args.engine_dir is not None:
         ort = load_backend("onnxruntime", engine_dir=args.engine_dir)
         result["verify_cost"]["onnxruntime"] = verify_cost(ort, None, args.cost_repeats)
         result["decode"]["onnxruntime"] = decode(
-            ort, None, prompts, budgets, args.max_new_tokens, args.repeats, eos
+            ort, None, prompts, budgets, args.max_new_tokens, args.repeats, eos, prior
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
