@@ -165,6 +165,8 @@ def test_callback_takes_the_first_rows_of_each_listed_source(toy_tok, tmp_path):
     cb = AcceptanceLengthCallback(prompts_file=[str(DEFAULT_DIR / "math.jsonl"), str(empty)])
     with pytest.raises(UserInputError, match="empty.jsonl"):
         cb._load_prompts(fake_module(SMALL))
+    with pytest.raises(UserInputError, match="empty list"):
+        AcceptanceLengthCallback(prompts_file=[])
 
 
 @needs_small

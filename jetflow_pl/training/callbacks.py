@@ -157,6 +157,10 @@ class AcceptanceLengthCallback(Callback):
                 "AcceptanceLengthCallback needs exactly one of prompts_file (a jsonl/datasets file of "
                 "held-out prompts, e.g. data_gen/toy/assets/heldout_prompts/math.jsonl) or prompt_token_ids"
             )
+        if isinstance(prompts_file, list) and not prompts_file:
+            raise UserInputError(
+                "AcceptanceLengthCallback: prompts_file is an empty list; name one source or more"
+            )
         self.every_n_steps = int(every_n_steps)
         self.width = int(width)
         self.prompts_file = prompts_file
