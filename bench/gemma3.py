@@ -8,9 +8,11 @@
    262,144-row product every verify pays) and its share of `t(N)`.
 2. **Decoding** on held-out toy math and code prompts continued as plain text (the base model has no chat
    template; the regeneration prompted it the same way): per prompt, in an order rotated from prompt to
-   prompt, HF `generate()` (torch only), own AR, budgets 16 and 64 and `auto`. Each speculative output is
-   compared token for token with own AR and HF `generate()`. Speeds are decode tokens/s (prefill and its
-   token excluded); ratios are medians over prompts and repeats of per-prompt ratios measured side by side.
+   prompt, HF `generate()` (torch only), own AR, budgets 16 and 64 and `auto` (its prior resolved as
+   `generate` resolves it: `--acceptance-profile`, else the head's, else the engine directory's). Each
+   speculative output is compared token for token with own AR and HF `generate()`. Speeds are decode
+   tokens/s (prefill and its token excluded); ratios are medians over prompts and repeats of per-prompt
+   ratios measured side by side.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ import torch
 from bench.draft_gemm import median_ms
 from jetflow_pl.chat import encode_prompt
 from jetflow_pl.checkpoints import load_draft_head
+from jetflow_pl.decode_options import acceptance_prior
 from jetflow_pl.decoding import ARGenerator, SpeculativeGenerator
-from jetflow_pl.decoding.budget import ACCEPTANCE_PROFILE_FILE, AcceptanceProfile, AutoBudget
+from jetflow_pl.decoding.budget import AutoBudget
 from jetflow_pl.generate_cli import hf_decode_tokens_per_s
 from jetflow_pl.prompt_files import load_local_rows
 from jetflow_pl.runtime.loader import load_backend
@@ -39,6 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 HELDOUT = REPO / "data_gen" / "toy" / "assets" / "heldout_prompts"
 SIZES = (1, 2, 4, 8, 16, 32, 64)
+WIDTH = 4  # children per expanded node, every speculative decode here
 
 
 def verify_cost(backend, target: TargetModel | None, repeats: int) -> dict:
@@ -81,7 +85,7 @@ def decode(backend, hf, prompts: dict, budgets: list, max_new: int, repeats: int
     gens = {"ar": ARGenerator(backend, eos_token_id=eos)}
     for b in budgets:
         policy = AutoBudget(prior=prior) if b == "auto" else b
-        gens[f"b{b}"] = SpeculativeGenerator(backend, budget=policy, width=4, eos_token_id=eos)
+        gens[f"b{b}"] = SpeculativeGenerator(backend, budget=policy, width=WIDTH, eos_token_id=eos)
     for g in gens.values():  # first-call allocations and `auto`'s cost profile, off the clock
         g.generate(prompts[next(iter(prompts))][0], 8)
     out = {}
@@ -142,6 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--cost-repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--acceptance-profile", type=Path, default=None, help="auto's prior (default: the head's)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     if args.threads:
@@ -155,12 +160,11 @@ def main(argv: list[str] | None = None) -> dict:
     eos = tokenizer.eos_token_id
     prompts = {d: heldout(tokenizer, d, args.first, args.n_prompts) for d in ("math", "code")}
     budgets = [16, 64, "auto"]
-    prior_file = args.head / ACCEPTANCE_PROFILE_FILE
-    prior = AcceptanceProfile.load(prior_file) if prior_file.is_file() else None
+    prior = acceptance_prior(argparse.Namespace(**vars(args), width=WIDTH))
     result = {
         "machine": {"platform": platform.platform(), "threads": torch.get_num_threads()},
         "settings": {k: str(v) for k, v in vars(args).items()},
-        "auto_prior": str(prior_file) if prior is not None else None,
+        "auto_prior": None if prior is None else prior.source,
     }
     torch_backend = TorchBackend(target, head.eval())
     # the cost curve first, on the same backends the decodes use (each prefill starts a slot afresh)

@@ -225,11 +225,10 @@ def test_left_padded_regeneration_past_the_window_equals_each_prompt_alone(gemma
     window taken over KV indices instead of positions (or a rolling cache under the padding) would change
     what the target writes into the training data. Pads of 0, 9 and 15 rows here, window 8."""
     from data_gen.regenerate.module import batched_generate
+    from data_gen.regenerate.prompts import pad_left
 
     target, _, prompts, refs = gemma
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids, mask = pad_left(prompts, pad_id=0)  # padded as regeneration pads its batches
     tokens, reasons = batched_generate(target, ids, mask, max_new_tokens=NEW_TOKENS, stop_ids=[])
     assert tokens == refs and reasons == ["length"] * len(prompts)
 
